@@ -1,0 +1,38 @@
+# Two commands matter: `make serve` and `make test`. Both create .venv and install on first use.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+TINY_MODEL := models/tiny-glm4
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test unit e2e tiny-model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[cpu,test]'
+	# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break transformers' GLM import.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+tiny-model: $(TINY_MODEL)/tiny_model.json
+
+$(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/chat_template.jinja
+	$(BIN)/python -m serve_app.tiny_model $(TINY_MODEL) --force
+
+serve: install tiny-model
+	$(BIN)/serve run deploy/config.cpu.yaml
+
+test: install tiny-model
+	$(BIN)/python -m pytest -v --durations=15
+
+unit: install
+	$(BIN)/python -m pytest -v -m "not e2e"
+
+e2e: install tiny-model
+	$(BIN)/python -m pytest -v -m e2e
+
+clean:
+	rm -rf $(VENV) $(TINY_MODEL)

@@ -1,0 +1,30 @@
+"""Build the Ray Serve application from a serve config's ``args``.
+
+This is the ``import_path`` of every config under ``deploy/``
+(``serve_app.app:build_app``): ``serve run``, KubeRay's RayService and the tests
+all start the application here. It validates the arguments, then binds one
+:class:`~serve_app.model_server.ModelServer` deployment per model and the
+:class:`~serve_app.ingress.Ingress` in front of them. Settings are read in
+:mod:`serve_app.config`; they act in the deployments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import parse_app_config
+from serve_app.ingress import Ingress
+from serve_app.model_server import ModelServer
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    config = parse_app_config(args)
+    handles = {
+        model.name: ModelServer.options(
+            name=model.deployment_name, **model.resolved_deployment()
+        ).bind(model)
+        for model in config.models
+    }
+    return Ingress.options(**config.ingress.deployment).bind(config, handles)

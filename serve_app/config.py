@@ -1,0 +1,171 @@
+"""Application configuration: the validated shape of a serve config's ``args``.
+
+``serve run deploy/config.yaml`` hands the ``args`` mapping of the application to
+:func:`serve_app.app.build_app`, which validates it here before anything starts.
+A mistake (an unknown engine argument, a negative replica count, two models with
+one name) fails at start with a message naming the field, not minutes later
+inside a replica. Deployment options are checked with Ray Serve's own
+``DeploymentSchema`` and engine arguments against vLLM's own argument classes, so
+both keep vLLM's and Ray's names and meanings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default for max_num_seqs on one engine.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@functools.cache
+def vllm_argument_names() -> tuple[frozenset[str], frozenset[str]]:
+    """Names of vLLM's engine arguments and of its OpenAI front-end arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    engine = frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
+    frontend = frozenset(f.name for f in dataclasses.fields(FrontendArgs))
+    return engine, frontend
+
+
+def split_engine_args(engine_args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``engine_args`` into (engine, front-end) keyword arguments.
+
+    vLLM's own CLI mixes both kinds (``--max-model-len`` and ``--chat-template``);
+    the config does too, and this is the one place that tells them apart.
+    """
+    engine_names, frontend_names = vllm_argument_names()
+    engine = {k: v for k, v in engine_args.items() if k in engine_names}
+    frontend = {k: v for k, v in engine_args.items() if k in frontend_names and k not in engine}
+    return engine, frontend
+
+
+def _validate_deployment_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Check Ray Serve deployment options with Ray's own schema; return them unchanged."""
+    from ray.serve.schema import DeploymentSchema
+
+    if "name" in options:
+        raise ValueError("'name' is set by the application; remove it from the deployment options")
+    DeploymentSchema(name=name, **options)
+    return options
+
+
+class ModelConfig(_Strict):
+    """One served model: its public name, vLLM engine arguments and Serve deployment options."""
+
+    name: str = Field(description="The `model` value clients send, e.g. glm-4-9b-chat.")
+    engine_args: dict[str, Any] = Field(
+        description="vLLM engine and front-end arguments, with vLLM's own names (model, max_model_len, ...)."
+    )
+    deployment: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(
+                "must start with a letter or digit and hold only letters, digits and . _ : / - (at most 128)"
+            )
+        return value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_are_vllm_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value.get("model"):
+            raise ValueError("'model' (a Hugging Face id or a local path) is required")
+        engine_names, frontend_names = vllm_argument_names()
+        unknown = sorted(set(value) - engine_names - frontend_names)
+        if unknown:
+            raise ValueError(f"unknown vLLM argument(s): {', '.join(unknown)}")
+        if "served_model_name" in value:
+            raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
+        return value
+
+    @model_validator(mode="after")
+    def _deployment_is_valid(self) -> ModelConfig:
+        _validate_deployment_options(self.deployment_name, self.resolved_deployment())
+        return self
+
+    @property
+    def deployment_name(self) -> str:
+        """Serve deployment name: one deployment per model, named after it."""
+        return "model-" + re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine_args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+
+    def resolved_deployment(self) -> dict[str, Any]:
+        """Deployment options with ``max_ongoing_requests`` defaulting to ``max_num_seqs``.
+
+        A replica then admits exactly as many requests as its engine batches at
+        once; the rest wait in Serve's queue, where the autoscaler sees them.
+        """
+        options = dict(self.deployment)
+        options.setdefault("max_ongoing_requests", self.max_num_seqs)
+        return options
+
+
+class IngressConfig(_Strict):
+    """The HTTP ingress: limits it enforces and its own Serve deployment options."""
+
+    max_request_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="Larger request bodies get 413 before they are parsed.",
+    )
+    health_check_timeout_s: float = Field(
+        default=5.0, gt=0, description="How long GET /health waits for each model to answer."
+    )
+    deployment: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _deployment_is_valid(self) -> IngressConfig:
+        _validate_deployment_options("ingress", self.deployment)
+        return self
+
+
+class AppConfig(_Strict):
+    """The whole application: the models it serves and its ingress."""
+
+    models: list[ModelConfig] = Field(min_length=1)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @field_validator("models")
+    @classmethod
+    def _names_are_unique(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        return models
+
+
+class ConfigError(ValueError):
+    """The serve config's application arguments are invalid."""
+
+
+def parse_app_config(args: dict[str, Any]) -> AppConfig:
+    """Validate application arguments, raising :class:`ConfigError` that names each bad field."""
+    from pydantic import ValidationError
+
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+            problems.append(f"  args.{where}: {error['msg']}")
+        raise ConfigError("invalid application arguments:\n" + "\n".join(problems)) from None

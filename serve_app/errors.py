@@ -1,0 +1,68 @@
+"""OpenAI-shaped errors.
+
+Every non-2xx answer, and every error event that ends a stream, carries the body
+OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``. The
+``type`` follows the OpenAI API's names for the status, so an SDK raises the
+exception class its users already catch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` for an HTTP status."""
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "invalid_request_error" if status < 500 else "internal_error"
+
+
+@dataclass(eq=False)  # exceptions must stay hashable and mutable (tracebacks, causes)
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere and rendered once, at the edge."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def __str__(self) -> str:
+        return f"{self.status} {HTTPStatus(self.status).phrase}: {self.message}"
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
+    """The final event of a stream that failed after it started."""
+    return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"

@@ -1,0 +1,234 @@
+"""The HTTP surface: Starlette routes of the OpenAI-compatible API.
+
+Each generation route does the same four things: read the body (413 when too
+large, 400 when not a JSON object), validate it with vLLM's own request model
+(400 naming the parameter), route it by ``model`` (404 when nobody serves it) and
+relay the replica's answer. Relaying writes the replica's bytes straight to the
+socket; it parses nothing per token.
+
+Per-request policies (API keys, rate limits, timeouts) belong between parsing
+and routing, in :func:`handle_generation`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serve_app.errors import APIError, error_body, sse_error_event
+from serve_app.router import ModelRouter
+from serve_app.streaming import Reply
+
+logger = logging.getLogger("ray.serve")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HealthCheck = Callable[[], Awaitable[dict[str, bool]]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A generation route: its vLLM request model and the replica method that answers it."""
+
+    path: str
+    request_model: type[BaseModel]
+    method: str
+
+
+@dataclass(frozen=True)
+class HTTPSettings:
+    max_request_body_bytes: int
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, refusing oversized bodies before reading them whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A 400 that names the first offending parameter and lists every problem."""
+    errors = exc.errors(include_url=False, include_input=False)
+    params = [".".join(str(p) for p in e["loc"]) for e in errors]
+    details = "; ".join(
+        f"{param}: {e['msg']}" if param else e["msg"] for param, e in zip(params, errors)
+    )
+    return APIError(400, f"invalid request: {details}", param=next((p for p in params if p), None))
+
+
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+    """Validate a body with vLLM's request model; a fresh uuid4 replaces any client request id."""
+    body["request_id"] = uuid.uuid4().hex
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    except ValueError as exc:  # raised by vLLM's own model validators
+        raise APIError(400, f"invalid request: {exc}") from None
+
+
+def replica_failure(exc: BaseException) -> APIError:
+    """Map a failure to reach or hear from a replica to the status a client should see."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import (
+        BackPressureError,
+        DeploymentUnavailableError,
+        ReplicaUnavailableError,
+    )
+
+    if isinstance(exc, BackPressureError):
+        return APIError(
+            429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"}
+        )
+    if isinstance(
+        exc,
+        (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError),
+    ):
+        return APIError(
+            503, "the model replica is unavailable; retry shortly", code="unavailable", headers={"Retry-After": "1"}
+        )
+    logger.exception("request failed in a model replica", exc_info=exc)
+    return APIError(500, "internal error while generating the answer", code="internal_error")
+
+
+async def stream_sse(first: str, rest: Any) -> AsyncIterator[str | bytes]:
+    """Write a replica's SSE stream through; a failure after the start becomes a final error event."""
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    except Exception as exc:
+        error = replica_failure(exc)
+        yield sse_error_event(error.status, error.message, error.code)
+    finally:
+        rest.cancel()  # no-op when finished; aborts generation when the client left
+
+
+async def relay(handle: Any, method: str, payload: BaseModel) -> Response:
+    """Send ``payload`` to a replica and answer with its reply or its stream."""
+    responses = getattr(handle.options(stream=True), method).remote(payload)
+    try:
+        first = await responses.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "the model replica returned no answer", code="internal_error") from None
+    except Exception as exc:
+        raise replica_failure(exc) from None
+    if isinstance(first, Reply):
+        return Response(first.body, status_code=first.status, media_type="application/json")
+    return StreamingResponse(
+        stream_sse(first, responses), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
+    state = request.app.state
+    body = await read_json_body(request, state.settings.max_request_body_bytes)
+    entry = state.router.route(body.get("model"))
+    payload = parse_request(endpoint.request_model, body)
+    return await relay(entry.handle, endpoint.method, payload)
+
+
+def generation_route(endpoint: Endpoint) -> Route:
+    async def route(request: Request) -> Response:
+        return await handle_generation(request, endpoint)
+
+    return Route(endpoint.path, route, methods=["POST"], name=endpoint.method)
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse(request.app.state.router.model_list())
+
+
+async def health(request: Request) -> Response:
+    """200 only when every configured model has a running, healthy replica."""
+    models = await request.app.state.health_check()
+    if models and all(models.values()):
+        return JSONResponse({"status": "ok", "models": models})
+    down = ", ".join(sorted(name for name, ok in models.items() if not ok))
+    body = error_body(503, f"no healthy replica for: {down}", code="unavailable")
+    body["models"] = models
+    return JSONResponse(body, status_code=503)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return Response(exc.to_json(), exc.status, headers=exc.headers, media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in the ingress", exc_info=exc)
+    return JSONResponse(error_body(500, "internal server error", code="internal_error"), 500)
+
+
+def default_endpoints() -> list[Endpoint]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return [
+        Endpoint("/v1/chat/completions", ChatCompletionRequest, "chat"),
+        Endpoint("/v1/completions", CompletionRequest, "completion"),
+    ]
+
+
+def build_http_app(
+    router: ModelRouter[Any],
+    settings: HTTPSettings,
+    health_check: HealthCheck,
+    endpoints: list[Endpoint] | None = None,
+) -> Starlette:
+    """The Starlette app the ingress deployment serves."""
+    routes = [generation_route(e) for e in endpoints or default_endpoints()]
+    routes += [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientDisconnect: _client_gone,
+            Exception: _unexpected,
+        },
+    )
+    app.state.router = router
+    app.state.settings = settings
+    app.state.health_check = health_check
+    return app

@@ -1,0 +1,60 @@
+"""The ingress deployment: the Starlette app of :mod:`serve_app.http`, served by Ray Serve.
+
+It stays thin: validate, route, stream bytes through. It holds one
+``DeploymentHandle`` per model deployment and answers ``GET /health`` from
+Serve's own view of replica health (each model replica runs vLLM's engine
+health check every ``health_check_period_s``), so a health probe never queues
+behind generation requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import serve
+from starlette.applications import Starlette
+
+from serve_app.config import AppConfig
+from serve_app.http import HTTPSettings, build_http_app
+from serve_app.router import ModelEntry, ModelRouter
+
+
+def running_models(status: Any, app_name: str, deployments: dict[str, str]) -> dict[str, bool]:
+    """For each model, whether its deployment has at least one RUNNING replica."""
+    application = status.applications.get(app_name)
+    result = {}
+    for model, deployment in deployments.items():
+        overview = application.deployments.get(deployment) if application else None
+        running = overview.replica_states.get("RUNNING", 0) if overview else 0
+        result[model] = running > 0
+    return result
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """Receives OpenAI-style HTTP requests and streams them to model replicas."""
+
+    def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
+        self.router = ModelRouter(
+            {
+                m.name: ModelEntry(m.name, handles[m.name], m.engine_args.get("max_model_len"))
+                for m in config.models
+            }
+        )
+        self.settings = HTTPSettings(max_request_body_bytes=config.ingress.max_request_body_bytes)
+        self.health_timeout_s = config.ingress.health_check_timeout_s
+        self.deployments = {m.name: m.deployment_name for m in config.models}
+        self.app_name = serve.get_replica_context().app_name
+
+    async def models_health(self) -> dict[str, bool]:
+        # serve.status() is a blocking call to the controller: keep it off the event loop.
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), self.health_timeout_s)
+        except Exception:
+            return {name: False for name in self.deployments}
+        return running_models(status, self.app_name, self.deployments)
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return build_http_app(self.router, self.settings, self.models_health)

@@ -1,0 +1,107 @@
+"""The model deployment: one vLLM ``AsyncLLM`` engine per replica.
+
+Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
+come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
+``OpenAIServingCompletion``), set up by vLLM's ``init_app_state`` exactly as its
+own API server does. This module only adapts them to Ray Serve: it answers each
+call with the generator protocol of :mod:`serve_app.streaming`, and exposes the
+engine's health to Serve's health checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+from ray import serve
+
+from serve_app.config import ModelConfig, split_engine_args
+from serve_app.streaming import Reply, coalesce, end_on_error_event
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(
+    # A replica holds a whole engine: start-up (weights, KV cache) takes a while,
+    # and Serve must not give up on it meanwhile.
+    health_check_period_s=10,
+    health_check_timeout_s=30,
+)
+class ModelServer:
+    """Serves one model's chat and text completions from a vLLM engine."""
+
+    async def __init__(self, model: ModelConfig) -> None:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.model_name = model.name
+        engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
+        engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+        # vLLM's serving objects read a flat namespace of front-end and engine
+        # arguments, as its CLI parser produces.
+        frontend_args = FrontendArgs(**frontend_kwargs)
+        args = argparse.Namespace(**(vars(frontend_args) | vars(engine_args)))
+        state = State()
+        await init_app_state(
+            self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
+        )
+        self.chat_serving = state.openai_serving_chat
+        self.completion_serving = state.openai_serving_completion
+        self.max_model_len = vllm_config.model_config.max_model_len
+        logger.info("model %s ready (max_model_len=%d)", model.name, self.max_model_len)
+
+    async def chat(self, request: Any) -> AsyncIterator[Reply | str]:
+        """Answer a validated ``ChatCompletionRequest``."""
+        async for item in self._answer(self.chat_serving.create_chat_completion, request):
+            yield item
+
+    async def completion(self, request: Any) -> AsyncIterator[Reply | str]:
+        """Answer a validated ``CompletionRequest``."""
+        async for item in self._answer(self.completion_serving.create_completion, request):
+            yield item
+
+    async def _answer(self, create: Any, request: Any) -> AsyncIterator[Reply | str]:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        try:
+            result = await create(request)
+        except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            yield Reply.error(result.error.code, result.error.message, result.error.param)
+        elif isinstance(result, BaseModel):
+            yield Reply(200, result.model_dump_json().encode())
+        else:
+            async for chunk in coalesce(end_on_error_event(result)):
+                yield chunk
+
+    async def ping(self) -> str:
+        """Answer the ingress's readiness probe once the engine is healthy."""
+        await self.engine.check_health()
+        return self.model_name
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead engine makes Serve replace this replica."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
