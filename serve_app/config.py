@@ -16,7 +16,7 @@ import functools
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default for max_num_seqs on one engine.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -49,13 +49,25 @@ def split_engine_args(engine_args: dict[str, Any]) -> tuple[dict[str, Any], dict
     return engine, frontend
 
 
-def _validate_deployment_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Check Ray Serve deployment options with Ray's own schema; return them unchanged."""
+def validate_deployment_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Check Ray Serve deployment options with Ray's own models; return them unchanged."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import DeploymentSchema
 
     if "name" in options:
-        raise ValueError("'name' is set by the application; remove it from the deployment options")
-    DeploymentSchema(name=name, **options)
+        raise ValueError("'name' is set by the application; remove it")
+    try:
+        DeploymentSchema(name="deployment", **options)
+        # The schema keeps autoscaling_config as a plain mapping; check its fields too.
+        if isinstance(options.get("autoscaling_config"), dict):
+            AutoscalingConfig(**options["autoscaling_config"])
+    except ValidationError as exc:
+        where = "autoscaling_config." if exc.title == "AutoscalingConfig" else ""
+        problems = "; ".join(
+            where + ".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in exc.errors()
+        )
+        raise ValueError(problems) from None
     return options
 
 
@@ -93,10 +105,10 @@ class ModelConfig(_Strict):
             raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
         return value
 
-    @model_validator(mode="after")
-    def _deployment_is_valid(self) -> ModelConfig:
-        _validate_deployment_options(self.deployment_name, self.resolved_deployment())
-        return self
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return validate_deployment_options(value)
 
     @property
     def deployment_name(self) -> str:
@@ -131,10 +143,10 @@ class IngressConfig(_Strict):
     )
     deployment: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _deployment_is_valid(self) -> IngressConfig:
-        _validate_deployment_options("ingress", self.deployment)
-        return self
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return validate_deployment_options(value)
 
 
 class AppConfig(_Strict):

@@ -1,0 +1,98 @@
+"""Start the real application once per test session and share it.
+
+The app is started exactly as a user starts it: ``serve run`` on the embedded
+default config ``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny
+GLM-4 model), with only the HTTP port changed so tests never collide with a
+server a developer left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "deploy" / "config.cpu.yaml"
+START_TIMEOUT_S = 420
+
+
+@dataclass(frozen=True)
+class RunningApp:
+    url: str
+    model: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.e2e)
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen, app: RunningApp) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"serve run exited with {proc.returncode} before the app was healthy:\n{app.log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)  # poll interval of the condition above
+    pytest.fail(f"app not healthy after {START_TIMEOUT_S}s:\n{app.log_tail()}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # serve run shuts the app and its local cluster down
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def app(tmp_path_factory) -> RunningApp:
+    config = yaml.safe_load(CONFIG.read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    workdir = tmp_path_factory.mktemp("serve")
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    model = config["applications"][0]["args"]["models"][0]["name"]
+    running = RunningApp(url=f"http://127.0.0.1:{port}", model=model, log_path=workdir / "serve.log")
+    serve_cli = Path(sys.executable).with_name("serve")
+    with running.log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [str(serve_cli), "run", str(config_path)],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until_healthy(running.url, proc, running)
+        yield running
+    finally:
+        stop(proc)

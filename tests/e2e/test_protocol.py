@@ -1,0 +1,140 @@
+"""The OpenAI wire protocol on the real app: SSE framing, usage, routes, error shapes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.sse import post_stream
+
+
+@pytest.fixture
+async def client(app):
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        yield client
+
+
+def chat(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "ignore_eos": True} | extra
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+async def test_chat_stream_framing_and_usage_in_last_chunk(app, client):
+    stream = await post_stream(
+        client, "/v1/chat/completions", chat(app.model, stream=True, stream_options={"include_usage": True})
+    )
+    assert stream.status == 200
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert stream.done and stream.events.count("[DONE]") == 1
+    chunks = stream.chunks
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    # Usage arrives once, in the last chunk, which has no choices.
+    assert [("usage" in c and c["usage"] is not None) for c in chunks].count(True) == 1
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-1]["usage"]["total_tokens"] == chunks[-1]["usage"]["prompt_tokens"] + 8
+
+
+async def test_chat_stream_without_usage_option_has_no_usage(app, client):
+    stream = await post_stream(client, "/v1/chat/completions", chat(app.model, stream=True))
+    assert stream.done
+    assert all(c.get("usage") is None for c in stream.chunks)
+    assert [c["finish_reason"] for ch in stream.chunks for c in ch["choices"] if c["finish_reason"]] == ["length"]
+
+
+async def test_chat_unary(app, client):
+    response = await client.post("/v1/chat/completions", json=chat(app.model))
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["object"] == "chat.completion"
+    assert answer["model"] == app.model
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["usage"]["completion_tokens"] == 8
+
+
+async def test_completions_unary(app, client):
+    body = {"model": app.model, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["object"] == "text_completion"
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 5
+
+
+async def test_completions_stream(app, client):
+    body = {
+        "model": app.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stream = await post_stream(client, "/v1/completions", body)
+    assert stream.status == 200 and stream.done
+    chunks = stream.chunks
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]] == ["length"]
+
+
+async def test_models(app, client):
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    listing = response.json()
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == [app.model]
+
+
+async def test_health(app, client):
+    response = await client.get("/health")
+    assert response.status_code == 200
+    assert response.json()["models"] == {app.model: True}
+
+
+async def test_unknown_model_is_404(app, client):
+    error = assert_openai_error(await client.post("/v1/chat/completions", json=chat("gpt-4")), 404)
+    assert error["param"] == "model"
+
+
+async def test_malformed_json_is_400(app, client):
+    response = await client.post(
+        "/v1/chat/completions", content=b'{"model": "x", ', headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, 400)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"messages": "hello"}, "messages"),
+    ],
+)
+async def test_invalid_parameters_are_400_naming_them(app, client, extra, param):
+    error = assert_openai_error(await client.post("/v1/chat/completions", json=chat(app.model, **extra)), 400)
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_prompt_over_the_context_is_400_with_both_numbers(app, client):
+    long_prompt = "word " * 2000
+    body = {"model": app.model, "prompt": long_prompt, "max_tokens": 10}
+    error = assert_openai_error(await client.post("/v1/completions", json=body), 400)
+    assert "1024" in error["message"]
+
+
+async def test_server_still_answers_after_bad_requests(app, client):
+    response = await client.post("/v1/chat/completions", json=chat(app.model))
+    assert response.status_code == 200

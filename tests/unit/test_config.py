@@ -1,0 +1,90 @@
+"""Application arguments are validated at start, with messages naming the bad field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.config import ConfigError, parse_app_config, split_engine_args
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def app_args(config_file: str) -> dict:
+    return yaml.safe_load((DEPLOY / config_file).read_text())["applications"][0]["args"]
+
+
+def minimal(**model_overrides) -> dict:
+    model = {"name": "glm-4-9b-chat", "engine_args": {"model": "some/path"}} | model_overrides
+    return {"models": [model]}
+
+
+@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+def test_shipped_configs_are_valid(config_file):
+    config = parse_app_config(app_args(config_file))
+    model = config.models[0]
+    assert model.name == "glm-4-9b-chat"
+    # A replica admits exactly what its engine batches at once.
+    assert model.resolved_deployment()["max_ongoing_requests"] == model.max_num_seqs
+    assert "autoscaling_config" in model.deployment
+
+
+def test_max_ongoing_requests_defaults_to_max_num_seqs():
+    config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 48}))
+    assert config.models[0].resolved_deployment()["max_ongoing_requests"] == 48
+
+
+def test_unknown_engine_argument_is_named():
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.engine_args.*max_model_length"):
+        parse_app_config(minimal(engine_args={"model": "m", "max_model_length": 10}))
+
+
+def test_engine_model_is_required():
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.engine_args.*'model'"):
+        parse_app_config(minimal(engine_args={"max_model_len": 10}))
+
+
+def test_bad_deployment_option_is_named():
+    bad = minimal(deployment={"autoscaling_config": {"min_replicas": -1}})
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.deployment: .*autoscaling_config\.min_replicas"):
+        parse_app_config(bad)
+
+
+def test_unknown_top_level_field_is_named():
+    with pytest.raises(ConfigError, match=r"args\.modles"):
+        parse_app_config(minimal() | {"modles": []})
+
+
+def test_duplicate_model_names_are_refused():
+    args = {"models": minimal()["models"] * 2}
+    with pytest.raises(ConfigError, match="repeated: glm-4-9b-chat"):
+        parse_app_config(args)
+
+
+def test_no_models_is_refused():
+    with pytest.raises(ConfigError, match=r"args\.models"):
+        parse_app_config({"models": []})
+
+
+def test_served_model_name_comes_from_name():
+    with pytest.raises(ConfigError, match="served_model_name"):
+        parse_app_config(minimal(engine_args={"model": "m", "served_model_name": "x"}))
+
+
+def test_two_models_get_two_deployments():
+    args = {
+        "models": [
+            {"name": "glm-4-9b-chat", "engine_args": {"model": "a"}},
+            {"name": "glm-4-9b-chat-1m", "engine_args": {"model": "b"}},
+        ]
+    }
+    names = [m.deployment_name for m in parse_app_config(args).models]
+    assert names == ["model-glm-4-9b-chat", "model-glm-4-9b-chat-1m"]
+
+
+def test_engine_and_frontend_arguments_are_split():
+    engine, frontend = split_engine_args(
+        {"model": "m", "max_model_len": 8, "chat_template": "t.jinja", "enable_auto_tool_choice": True}
+    )
+    assert engine == {"model": "m", "max_model_len": 8}
+    assert frontend == {"chat_template": "t.jinja", "enable_auto_tool_choice": True}

@@ -1,0 +1,197 @@
+"""The ingress's HTTP logic with fake model handles: limits, errors, relaying, framing.
+
+These fakes stand in for Ray handles only to test the ingress's own decisions;
+the real path (Ray Serve + vLLM) is proven in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from ray.serve.exceptions import BackPressureError
+from starlette.testclient import TestClient
+
+from serve_app.http import HTTPSettings, build_http_app
+from serve_app.router import ModelEntry, ModelRouter
+from serve_app.streaming import Reply
+
+CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
+
+
+class FakeResponses:
+    """Mimics a DeploymentResponseGenerator: async-iterable with cancel()."""
+
+    def __init__(self, items: list[Any]):
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, items: list[Any]):
+        self.items = items
+        self.payloads: list[Any] = []
+        self.last: FakeResponses | None = None
+
+    def options(self, stream: bool):
+        assert stream is True
+        return self
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            def remote(self, payload):
+                handle.payloads.append(payload)
+                handle.last = FakeResponses(handle.items)
+                return handle.last
+
+        return Method()
+
+
+def client_for(items: list[Any], limit: int = 1 << 20, healthy: bool = True) -> tuple[TestClient, FakeHandle]:
+    handle = FakeHandle(items)
+    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024)})
+
+    async def health_check():
+        return {"glm-4-9b-chat": healthy}
+
+    app = build_http_app(router, HTTPSettings(max_request_body_bytes=limit), health_check)
+    return TestClient(app, raise_server_exceptions=False), handle
+
+
+def assert_openai_error(response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_unary_reply_is_written_with_its_status():
+    client, handle = client_for([Reply(200, b'{"id": "x"}')])
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    assert response.json() == {"id": "x"}
+    assert handle.payloads[0].messages[0]["content"] == "hi"
+
+
+def test_each_request_gets_a_fresh_uuid_even_if_the_client_sends_one():
+    client, handle = client_for([Reply(200, b"{}")])
+    client.post("/v1/chat/completions", json=CHAT | {"request_id": "same"})
+    client.post("/v1/chat/completions", json=CHAT | {"request_id": "same"})
+    ids = [p.request_id for p in handle.payloads]
+    assert len(set(ids)) == 2 and "same" not in ids
+    assert all(len(i) == 32 for i in ids)
+
+
+def test_stream_is_relayed_as_server_sent_events():
+    client, handle = client_for(["data: {\"a\": 1}\n\n", "data: {\"b\": 2}\n\ndata: [DONE]\n\n"])
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text == 'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    assert handle.last.cancelled  # released once finished
+
+
+def test_failure_mid_stream_ends_with_an_error_event():
+    client, _ = client_for(["data: {\"a\": 1}\n\n", RuntimeError("replica crashed")])
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[0] == 'data: {"a": 1}'
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["type"] == "internal_error"
+    assert "replica crashed" not in response.text  # no internals leak to clients
+    assert "[DONE]" not in response.text
+
+
+def test_replica_error_reply_keeps_its_status():
+    client, _ = client_for([Reply.error(400, "max_tokens is too large", "max_tokens")])
+    assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 400, "max_tokens")
+
+
+def test_backpressure_is_429_with_retry_after():
+    client, _ = client_for([BackPressureError(num_queued_requests=9, max_queued_requests=8)])
+    response = client.post("/v1/chat/completions", json=CHAT)
+    error = assert_openai_error(response, 429)
+    assert error["type"] == "rate_limit_error"
+    assert response.headers["retry-after"] == "1"
+
+
+def test_unknown_model_is_404():
+    client, _ = client_for([])
+    error = assert_openai_error(client.post("/v1/chat/completions", json=CHAT | {"model": "gpt-4"}), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_malformed_json_is_400():
+    client, _ = client_for([])
+    response = client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert "not valid JSON" in assert_openai_error(response, 400)["message"]
+
+
+@pytest.mark.parametrize("body", [b"", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_body_that_is_not_a_json_object_is_400(body):
+    client, _ = client_for([])
+    assert_openai_error(client.post("/v1/completions", content=body), 400)
+
+
+def test_invalid_parameter_is_400_naming_it():
+    client, _ = client_for([])
+    response = client.post("/v1/chat/completions", json=CHAT | {"temperature": "hot"})
+    assert "temperature" in assert_openai_error(response, 400, "temperature")["message"]
+
+
+def test_body_over_the_limit_is_413_before_parsing():
+    client, handle = client_for([], limit=100)
+    response = client.post("/v1/chat/completions", json=CHAT | {"padding": "x" * 200})
+    assert_openai_error(response, 413)
+    assert handle.payloads == []
+
+
+def test_chunked_body_over_the_limit_is_413():
+    client, _ = client_for([], limit=100)
+
+    def chunks():
+        yield b'{"model": "glm-4-9b-chat", "x": "'
+        yield b"y" * 200
+        yield b'"}'
+
+    assert_openai_error(client.post("/v1/completions", content=chunks()), 413)
+
+
+def test_unknown_route_and_wrong_method_are_openai_shaped():
+    client, _ = client_for([])
+    assert_openai_error(client.get("/v1/nothing"), 404)
+    assert_openai_error(client.get("/v1/chat/completions"), 405)
+
+
+def test_models_lists_configured_models():
+    client, _ = client_for([])
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["glm-4-9b-chat"]
+
+
+@pytest.mark.parametrize("healthy, status", [(True, 200), (False, 503)])
+def test_health_reflects_model_replicas(healthy, status):
+    client, _ = client_for([], healthy=healthy)
+    response = client.get("/health")
+    assert response.status_code == status
+    assert response.json()["models"] == {"glm-4-9b-chat": healthy}
