@@ -81,3 +81,32 @@ async def test_error_event_ends_the_stream_without_done():
 def test_unparsable_error_event_still_becomes_an_error_event():
     event = json.loads(normalize_error_event('data: {"error": nonsense').removeprefix("data: "))
     assert event["error"]["type"] == "internal_error"
+
+
+def test_sse_error_event_is_one_openai_shaped_data_event():
+    from serve_app.errors import sse_error_event
+
+    event = sse_error_event(503, "the model replica is unavailable", code="unavailable")
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+    body = json.loads(event[len(b"data: ") :])
+    assert body == {
+        "error": {
+            "message": "the model replica is unavailable",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "unavailable",
+        }
+    }
+
+
+def test_unary_error_reply_is_openai_shaped():
+    from serve_app.streaming import Reply
+
+    reply = Reply.error(400, "bad max_tokens", "max_tokens")
+    assert reply.status == 400
+    assert json.loads(reply.body)["error"] == {
+        "message": "bad max_tokens",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": None,
+    }
