@@ -16,9 +16,8 @@ import functools
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own default for max_num_seqs on one engine.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -110,14 +109,20 @@ class ModelConfig(_Strict):
     def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
         return validate_deployment_options(value)
 
+    @model_validator(mode="after")
+    def _concurrency_is_explicit(self) -> ModelConfig:
+        # vLLM's default max_num_seqs depends on the hardware, so a replica's
+        # concurrency limit cannot be matched to it without knowing it.
+        if "max_num_seqs" not in self.engine_args and "max_ongoing_requests" not in self.deployment:
+            raise ValueError(
+                "set engine_args.max_num_seqs (deployment.max_ongoing_requests defaults to it)"
+            )
+        return self
+
     @property
     def deployment_name(self) -> str:
         """Serve deployment name: one deployment per model, named after it."""
         return "model-" + re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
-
-    @property
-    def max_num_seqs(self) -> int:
-        return int(self.engine_args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
 
     def resolved_deployment(self) -> dict[str, Any]:
         """Deployment options with ``max_ongoing_requests`` defaulting to ``max_num_seqs``.
@@ -126,7 +131,8 @@ class ModelConfig(_Strict):
         once; the rest wait in Serve's queue, where the autoscaler sees them.
         """
         options = dict(self.deployment)
-        options.setdefault("max_ongoing_requests", self.max_num_seqs)
+        if "max_ongoing_requests" not in options:
+            options["max_ongoing_requests"] = self.engine_args["max_num_seqs"]
         return options
 
 

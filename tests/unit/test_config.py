@@ -15,7 +15,7 @@ def app_args(config_file: str) -> dict:
 
 
 def minimal(**model_overrides) -> dict:
-    model = {"name": "glm-4-9b-chat", "engine_args": {"model": "some/path"}} | model_overrides
+    model = {"name": "glm-4-9b-chat", "engine_args": {"model": "some/path", "max_num_seqs": 8}} | model_overrides
     return {"models": [model]}
 
 
@@ -25,13 +25,20 @@ def test_shipped_configs_are_valid(config_file):
     model = config.models[0]
     assert model.name == "glm-4-9b-chat"
     # A replica admits exactly what its engine batches at once.
-    assert model.resolved_deployment()["max_ongoing_requests"] == model.max_num_seqs
+    assert model.resolved_deployment()["max_ongoing_requests"] == model.engine_args["max_num_seqs"]
     assert "autoscaling_config" in model.deployment
 
 
 def test_max_ongoing_requests_defaults_to_max_num_seqs():
     config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 48}))
     assert config.models[0].resolved_deployment()["max_ongoing_requests"] == 48
+
+
+def test_concurrency_limit_must_be_explicit():
+    with pytest.raises(ConfigError, match=r"args\.models\.0: .*max_num_seqs"):
+        parse_app_config(minimal(engine_args={"model": "m"}))
+    explicit = parse_app_config(minimal(engine_args={"model": "m"}, deployment={"max_ongoing_requests": 4}))
+    assert explicit.models[0].resolved_deployment()["max_ongoing_requests"] == 4
 
 
 def test_unknown_engine_argument_is_named():
@@ -74,8 +81,8 @@ def test_served_model_name_comes_from_name():
 def test_two_models_get_two_deployments():
     args = {
         "models": [
-            {"name": "glm-4-9b-chat", "engine_args": {"model": "a"}},
-            {"name": "glm-4-9b-chat-1m", "engine_args": {"model": "b"}},
+            {"name": "glm-4-9b-chat", "engine_args": {"model": "a", "max_num_seqs": 8}},
+            {"name": "glm-4-9b-chat-1m", "engine_args": {"model": "b", "max_num_seqs": 8}},
         ]
     }
     names = [m.deployment_name for m in parse_app_config(args).models]
