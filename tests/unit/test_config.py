@@ -95,3 +95,11 @@ def test_engine_and_frontend_arguments_are_split():
     )
     assert engine == {"model": "m", "max_model_len": 8}
     assert frontend == {"chat_template": "t.jinja", "enable_auto_tool_choice": True}
+
+
+@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+def test_shipped_configs_pass_ray_serves_own_schema(config_file):
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / config_file).read_text()))
+    assert [app.import_path for app in schema.applications] == ["serve_app.app:build_app"]
