@@ -133,8 +133,8 @@ async def stream_sse(first: str, rest: Any) -> AsyncIterator[str | bytes]:
 
 
 async def relay(handle: Any, method: str, payload: BaseModel) -> Response:
-    """Send ``payload`` to a replica and answer with its reply or its stream."""
-    responses = getattr(handle.options(stream=True), method).remote(payload)
+    """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream."""
+    responses = getattr(handle, method).remote(payload)
     try:
         first = await responses.__anext__()
     except StopAsyncIteration:

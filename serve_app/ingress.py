@@ -39,7 +39,10 @@ class Ingress:
     def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
         self.router = ModelRouter(
             {
-                m.name: ModelEntry(m.name, handles[m.name], m.engine_args.get("max_model_len"))
+                # Streaming handles, made once: every call is answered by a generator.
+                m.name: ModelEntry(
+                    m.name, handles[m.name].options(stream=True), m.engine_args.get("max_model_len")
+                )
                 for m in config.models
             }
         )

@@ -48,10 +48,6 @@ class FakeHandle:
         self.payloads: list[Any] = []
         self.last: FakeResponses | None = None
 
-    def options(self, stream: bool):
-        assert stream is True
-        return self
-
     def __getattr__(self, method: str):
         handle = self
 
