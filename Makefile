@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 tiny-model: $(TINY_MODEL)/tiny_model.json
 
-$(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/chat_template.jinja
+$(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
 	$(BIN)/python -m serve_app.tiny_model $(TINY_MODEL) --force
 
 serve: install tiny-model

@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.glm4.format import check_dtype
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -102,6 +104,7 @@ class ModelConfig(_Strict):
             raise ValueError(f"unknown vLLM argument(s): {', '.join(unknown)}")
         if "served_model_name" in value:
             raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
+        check_dtype(value.get("dtype", "auto"))
         return value
 
     @field_validator("deployment")

@@ -3,9 +3,11 @@
 Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
 come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
 ``OpenAIServingCompletion``), set up by vLLM's ``init_app_state`` exactly as its
-own API server does. This module only adapts them to Ray Serve: it answers each
-call with the generator protocol of :mod:`serve_app.streaming`, and exposes the
-engine's health to Serve's health checks.
+own API server does, then finished for GLM-4 by :mod:`serve_app.glm4.serving`
+(chat template, stop tokens, tool calls). This module only adapts them to Ray
+Serve: it answers each call with the generator protocol of
+:mod:`serve_app.streaming`, and exposes the engine's health to Serve's health
+checks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
+from serve_app.context_limit import enforce_context_limit
 from serve_app.streaming import Reply, coalesce, end_on_error_event
 
 logger = logging.getLogger("ray.serve")
@@ -41,10 +44,16 @@ class ModelServer:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from serve_app.glm4 import serving as glm4_serving
+        from serve_app.glm4.format import check_dtype
+
         self.model_name = model.name
         engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
+        frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
         engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
+        check_dtype(vllm_config.model_config.dtype)
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
@@ -52,17 +61,27 @@ class ModelServer:
             disable_log_stats=engine_args.disable_log_stats,
         )
         # vLLM's serving objects read a flat namespace of front-end and engine
-        # arguments, as its CLI parser produces.
+        # arguments, as its CLI parser produces: nested configs given as mappings
+        # in the serve config are taken as the engine resolved them.
+        engine_values = {
+            name: getattr(vllm_config, name) if isinstance(value, dict) and hasattr(vllm_config, name) else value
+            for name, value in vars(engine_args).items()
+        }
         frontend_args = FrontendArgs(**frontend_kwargs)
-        args = argparse.Namespace(**(vars(frontend_args) | vars(engine_args)))
+        args = argparse.Namespace(**(vars(frontend_args) | engine_values))
         state = State()
         await init_app_state(
             self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
         )
+        stop_ids = glm4_serving.configure(state)
+        enforce_context_limit(state.openai_serving_chat, "render_chat_request")
+        enforce_context_limit(state.openai_serving_completion, "render_completion_request")
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.max_model_len = vllm_config.model_config.max_model_len
-        logger.info("model %s ready (max_model_len=%d)", model.name, self.max_model_len)
+        logger.info(
+            "model %s ready (max_model_len=%d, stop_token_ids=%s)", model.name, self.max_model_len, stop_ids
+        )
 
     async def chat(self, request: Any) -> AsyncIterator[Reply | str]:
         """Answer a validated ``ChatCompletionRequest``."""

@@ -17,28 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-# GLM-4's special tokens, in the order (and so the relative ids) of the real tokenizer.
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "[MASK]",
-    "[gMASK]",
-    "[sMASK]",
-    "<sop>",
-    "<eop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-    "<|begin_of_image|>",
-    "<|end_of_image|>",
-    "<|begin_of_video|>",
-    "<|end_of_video|>",
-]
-# Generation ends on any of these, as in the real checkpoint's generation_config.json.
-STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+from serve_app.glm4.format import CHAT_TEMPLATE_PATH, SPECIAL_TOKENS, STOP_TOKENS
 
 BASE_VOCAB_SIZE = 350
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -67,7 +48,7 @@ def build_tokenizer():
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS * 20, trainer=trainer)
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|endoftext|>",
@@ -101,13 +82,15 @@ def generate(out_dir: Path, seed: int = 0) -> Path:
         rms_norm_eps=1.5625e-07,
         rope_theta=10000.0,
         pad_token_id=stop_ids[0],
-        eos_token_id=stop_ids,
+        # Only <|endoftext|>, as in checkpoints whose configs lost the other two:
+        # the server must stop on all three regardless (see serve_app.glm4).
+        eos_token_id=stop_ids[0],
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
     torch.manual_seed(seed)
     model = GlmForCausalLM(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = stop_ids
+    model.generation_config.eos_token_id = stop_ids[0]
     model.generation_config.pad_token_id = stop_ids[0]
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

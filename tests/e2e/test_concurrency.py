@@ -22,7 +22,7 @@ def chat_body(model: str, **extra) -> dict:
         "model": model,
         "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
         "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
+        "min_tokens": MAX_TOKENS,  # GLM-4's stop tokens cannot end it early
         "logprobs": True,
         **extra,
     }

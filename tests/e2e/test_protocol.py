@@ -15,7 +15,7 @@ async def client(app):
 
 
 def chat(model: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "ignore_eos": True} | extra
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "min_tokens": 8} | extra
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -62,7 +62,7 @@ async def test_chat_unary(app, client):
 
 
 async def test_completions_unary(app, client):
-    body = {"model": app.model, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    body = {"model": app.model, "prompt": "Once upon a time", "max_tokens": 5, "min_tokens": 5}
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200
     answer = response.json()
@@ -76,7 +76,7 @@ async def test_completions_stream(app, client):
         "model": app.model,
         "prompt": "Once upon a time",
         "max_tokens": 5,
-        "ignore_eos": True,
+        "min_tokens": 5,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

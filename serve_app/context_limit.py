@@ -1,0 +1,66 @@
+"""Refuse a request whose prompt plus ``max_tokens`` does not fit the context.
+
+vLLM quietly lowers ``max_tokens`` to what is left of the context after the
+prompt, so a client asking for 900 tokens may get 400 and a ``"length"`` finish
+with no word why. OpenAI answers 400 instead, naming both numbers; so do we.
+
+The check needs the prompt's token count, known only once vLLM has rendered and
+tokenized it, so it wraps the serving object's own render step: nothing is
+rendered twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+def requested_output(request: Any) -> tuple[str, int | None]:
+    """The output-length parameter a request set, and its value (None if unset)."""
+    if getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens", request.max_completion_tokens
+    return "max_tokens", request.max_tokens
+
+
+def effective_prompt_tokens(prompt_tokens: int, request: Any, max_model_len: int) -> int:
+    """Prompt length after the truncation a request may ask for, as vLLM applies it."""
+    limit = getattr(request, "truncate_prompt_tokens", None)
+    if limit is None:
+        return prompt_tokens
+    return min(prompt_tokens, max_model_len if limit == -1 else limit)
+
+
+def over_context_message(prompt_tokens: int, param: str, requested: int, max_model_len: int) -> str | None:
+    """Why a request does not fit, or None when it does."""
+    if prompt_tokens + requested <= max_model_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+        f"{prompt_tokens} tokens and {param} asks for {requested} more "
+        f"({prompt_tokens + requested} in all). Lower {param} to at most "
+        f"{max(max_model_len - prompt_tokens, 0)} or shorten the prompt."
+    )
+
+
+def enforce_context_limit(serving: Any, render_method: str) -> None:
+    """Wrap ``serving.<render_method>`` (vLLM's render step) with the check above."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    render = getattr(serving, render_method)
+    max_model_len = serving.model_config.max_model_len
+
+    @functools.wraps(render)
+    async def render_within_context(request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await render(request, *args, **kwargs)
+        param, requested = requested_output(request)
+        if isinstance(result, ErrorResponse) or requested is None:
+            return result
+        engine_inputs = result[1] if isinstance(result, tuple) else result
+        for engine_input in engine_inputs:
+            prompt = effective_prompt_tokens(serving._extract_prompt_len(engine_input), request, max_model_len)
+            message = over_context_message(prompt, param, requested, max_model_len)
+            if message:
+                return serving.create_error_response(message, param=param)
+        return result
+
+    setattr(serving, render_method, render_within_context)
