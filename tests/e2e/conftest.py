@@ -30,6 +30,7 @@ START_TIMEOUT_S = 420
 class RunningApp:
     url: str
     model: str
+    model_path: Path  # the engine's checkpoint, for tests that need its tokenizer
     log_path: Path
 
     def log_tail(self, lines: int = 60) -> str:
@@ -80,8 +81,13 @@ def app(tmp_path_factory) -> RunningApp:
     workdir = tmp_path_factory.mktemp("serve")
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    model = config["applications"][0]["args"]["models"][0]["name"]
-    running = RunningApp(url=f"http://127.0.0.1:{port}", model=model, log_path=workdir / "serve.log")
+    model = config["applications"][0]["args"]["models"][0]
+    running = RunningApp(
+        url=f"http://127.0.0.1:{port}",
+        model=model["name"],
+        model_path=REPO / model["engine_args"]["model"],
+        log_path=workdir / "serve.log",
+    )
     serve_cli = Path(sys.executable).with_name("serve")
     with running.log_path.open("w") as log:
         proc = subprocess.Popen(
