@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from vllm.exceptions import VLLMClientError
 
 from serve_app.errors import APIError, error_body, sse_error_event
 from serve_app.router import ModelRouter
@@ -91,7 +92,9 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    except ValueError as exc:  # raised by vLLM's own model validators
+    except VLLMClientError as exc:  # raised by vLLM's own model validators, naming the parameter
+        raise APIError(400, f"invalid request: {exc.args[0]}", param=getattr(exc, "parameter", None)) from None
+    except ValueError as exc:
         raise APIError(400, f"invalid request: {exc}") from None
 
 

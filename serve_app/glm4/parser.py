@@ -37,6 +37,7 @@ from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParser, ToolParserManager
 
 from serve_app.glm4 import tool_calls
+from serve_app.glm4.format import SPECIAL_TOKENS
 from serve_app.glm4.tool_calls import ToolCallStream, parse_output
 
 PARSER_NAME = "glm4"
@@ -45,6 +46,17 @@ PARSER_NAME = "glm4"
 def tool_names(request: Any) -> list[str]:
     """Names of the functions a request offers."""
     return [tool.function.name for tool in request.tools or [] if getattr(tool, "function", None)]
+
+
+def without_special_tokens(text: str) -> str:
+    """Text as it reads with special tokens skipped, as vLLM shows it without tools.
+
+    Reading calls needs special tokens kept in the text (the turn separator);
+    once the turns are split, the rest of them must not reach the user.
+    """
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "")
+    return text
 
 
 def reads_glm4_calls(request: Any) -> bool:
@@ -83,7 +95,7 @@ class Glm4ToolParser(ToolParser):
         return ExtractedToolCallInformation(
             tools_called=bool(parsed.calls),
             tool_calls=[ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls],
-            content=parsed.content or None,
+            content=without_special_tokens(parsed.content) or None,
         )
 
     def extract_tool_calls_streaming(self, *args: Any, **kwargs: Any) -> DeltaMessage | None:
@@ -111,8 +123,9 @@ class Glm4Parser(DelegatingParser):
             return super().parse(model_output, request, enable_auto_tools, model_output_token_ids)
         if reads_glm4_calls(request) and enable_auto_tools:
             parsed = parse_output(model_output, tool_names(request))
+            content = without_special_tokens(parsed.content)
             calls = [FunctionCall(name=c.name, arguments=c.arguments) for c in parsed.calls]
-            return None, (parsed.content or None) if calls else parsed.content, calls
+            return None, (content or None) if calls else content, calls
         return None, parse_output(model_output, (), separator=None).content, []
 
     def parse_delta(
@@ -139,7 +152,7 @@ class Glm4Parser(DelegatingParser):
         return self._delta(events)
 
     def _delta(self, events: list[tool_calls.Event]) -> DeltaMessage | None:
-        text = "".join(e for e in events if isinstance(e, str))
+        text = without_special_tokens("".join(e for e in events if isinstance(e, str)))
         calls = [e for e in events if isinstance(e, tool_calls.ToolCall)]
         if not text and not calls:
             return None

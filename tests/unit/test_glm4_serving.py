@@ -70,6 +70,15 @@ def test_malformed_call_comes_back_as_content_at_the_end_of_the_stream() -> None
     assert [(d.content, d.tool_calls) for d in deltas] == [(broken, [])]
 
 
+def test_special_tokens_kept_for_reading_calls_do_not_reach_the_text() -> None:
+    req = with_tools(stream=True)
+    text = "\nSee<|begin_of_image|> this.<|assistant|>" + CALL
+    _, content, calls = Glm4Parser(None, req.tools).parse(text, req, enable_auto_tools=True)
+    assert content == "See this." and len(calls) == 1
+    deltas = stream(Glm4Parser(None, req.tools), req, ["\nSee<|", "begin_of_image|> this.<|assistant|>", CALL])
+    assert "".join(d.content or "" for d in deltas) == "See this."
+
+
 def test_without_tools_answers_are_text_even_if_they_look_like_calls() -> None:
     req = request()
     assert Glm4Parser(None, None).parse("\n" + CALL, req)[1:] == (CALL, [])

@@ -156,6 +156,24 @@ def test_invalid_parameter_is_400_naming_it():
     assert "temperature" in assert_openai_error(response, 400, "temperature")["message"]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": "auto"}, "tools"),
+    ],
+    ids=["named function not offered", "tool_choice without tools", "empty tools"],
+)
+def test_tool_mistakes_caught_by_vllms_validators_are_400_naming_the_parameter(extra, param):
+    client, handle = client_for([])
+    assert_openai_error(client.post("/v1/chat/completions", json=CHAT | extra), 400, param)
+    assert handle.payloads == []
+
+
 def test_body_over_the_limit_is_413_before_parsing():
     client, handle = client_for([], limit=100)
     response = client.post("/v1/chat/completions", json=CHAT | {"padding": "x" * 200})
