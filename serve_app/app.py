@@ -23,7 +23,7 @@ def build_app(args: dict[str, Any]) -> Application:
     config = parse_app_config(args)
     handles = {
         model.name: ModelServer.options(
-            name=model.deployment_name, **model.resolved_deployment()
+            name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s)
         ).bind(model)
         for model in config.models
     }

@@ -127,15 +127,20 @@ class ModelConfig(_Strict):
         """Serve deployment name: one deployment per model, named after it."""
         return "model-" + re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
 
-    def resolved_deployment(self) -> dict[str, Any]:
-        """Deployment options with ``max_ongoing_requests`` defaulting to ``max_num_seqs``.
+    def resolved_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
+        """Deployment options with the defaults this application relies on.
 
-        A replica then admits exactly as many requests as its engine batches at
-        once; the rest wait in Serve's queue, where the autoscaler sees them.
+        ``max_ongoing_requests`` defaults to ``max_num_seqs``: a replica then
+        admits exactly as many requests as its engine batches at once, and the
+        rest wait in Serve's queue, where the autoscaler sees them.
+        ``graceful_shutdown_timeout_s`` defaults to the longest answer allowed, so
+        a replica being removed finishes every stream it has.
         """
         options = dict(self.deployment)
         if "max_ongoing_requests" not in options:
             options["max_ongoing_requests"] = self.engine_args["max_num_seqs"]
+        if longest_answer_s is not None and "graceful_shutdown_timeout_s" not in options:
+            options["graceful_shutdown_timeout_s"] = longest_answer_s
         return options
 
 
@@ -149,6 +154,16 @@ class IngressConfig(_Strict):
     )
     health_check_timeout_s: float = Field(
         default=5.0, gt=0, description="How long GET /health waits for each model to answer."
+    )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Longest a request may take, first byte to last; past it, it is cancelled (504 or an error event).",
+    )
+    first_token_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest a stream may wait for its first chunk (queueing and prefill); past it, 504.",
     )
     deployment: dict[str, Any] = Field(default_factory=dict)
 
@@ -172,6 +187,19 @@ class AppConfig(_Strict):
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         return models
+
+    @model_validator(mode="after")
+    def _drain_outlasts_answers(self) -> AppConfig:
+        limit = self.ingress.request_timeout_s
+        for i, model in enumerate(self.models):
+            drain = model.deployment.get("graceful_shutdown_timeout_s")
+            if drain is not None and drain < limit:
+                raise ValueError(
+                    f"models.{i}.deployment.graceful_shutdown_timeout_s ({drain:g}) is shorter than "
+                    f"ingress.request_timeout_s ({limit:g}): a replica removed by downscaling or a "
+                    "config change would cut answers that are still allowed to run"
+                )
+        return self
 
 
 class ConfigError(ValueError):

@@ -12,6 +12,7 @@ and routing, in :func:`handle_generation`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from vllm.exceptions import VLLMClientError
 
+from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
 from serve_app.router import ModelRouter
 from serve_app.streaming import Reply
@@ -49,6 +51,7 @@ class Endpoint:
 @dataclass(frozen=True)
 class HTTPSettings:
     max_request_body_bytes: int
+    time_limits: TimeLimits
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
@@ -122,41 +125,60 @@ def replica_failure(exc: BaseException) -> APIError:
     return APIError(500, "internal error while generating the answer", code="internal_error")
 
 
-async def stream_sse(first: str, rest: Any) -> AsyncIterator[str | bytes]:
+async def stream_sse(first: str, rest: Any, deadline: Deadline) -> AsyncIterator[str | bytes]:
     """Write a replica's SSE stream through; a failure after the start becomes a final error event."""
     try:
         yield first
-        async for chunk in rest:
+        while True:
+            try:
+                chunk = await next_before(rest, deadline.end_at)
+            except StopAsyncIteration:
+                break
             yield chunk
+    except DeadlineExceeded:
+        error = deadline.expired()
+        yield sse_error_event(error.status, error.message, error.code)
     except Exception as exc:
         error = replica_failure(exc)
         yield sse_error_event(error.status, error.message, error.code)
     finally:
-        rest.cancel()  # no-op when finished; aborts generation when the client left
+        rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
 
 
-async def relay(handle: Any, method: str, payload: BaseModel) -> Response:
-    """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream."""
+async def relay(handle: Any, method: str, payload: BaseModel, deadline: Deadline) -> Response:
+    """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
+
+    A stream's first chunk must come before the first-token deadline; a unary
+    answer, which is its whole first item, before the end deadline.
+    """
     responses = getattr(handle, method).remote(payload)
+    streaming = bool(getattr(payload, "stream", False))
     try:
-        first = await responses.__anext__()
+        first = await next_before(responses, deadline.first_token_at if streaming else deadline.end_at)
     except StopAsyncIteration:
         raise APIError(500, "the model replica returned no answer", code="internal_error") from None
+    except DeadlineExceeded:
+        responses.cancel()
+        raise (deadline.first_token_expired() if streaming else deadline.expired()) from None
+    except asyncio.CancelledError:  # the client left before the answer began
+        responses.cancel()
+        raise
     except Exception as exc:
         raise replica_failure(exc) from None
     if isinstance(first, Reply):
         return Response(first.body, status_code=first.status, media_type="application/json")
     return StreamingResponse(
-        stream_sse(first, responses), media_type="text/event-stream", headers=SSE_HEADERS
+        stream_sse(first, responses, deadline), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     state = request.app.state
+    deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     body = await read_json_body(request, state.settings.max_request_body_bytes)
     entry = state.router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    return await relay(entry.handle, endpoint.method, payload)
+    return await relay(entry.handle, endpoint.method, payload, deadline)
 
 
 def generation_route(endpoint: Endpoint) -> Route:

@@ -16,6 +16,7 @@ from ray import serve
 from starlette.applications import Starlette
 
 from serve_app.config import AppConfig
+from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
 from serve_app.router import ModelEntry, ModelRouter
 
@@ -46,7 +47,13 @@ class Ingress:
                 for m in config.models
             }
         )
-        self.settings = HTTPSettings(max_request_body_bytes=config.ingress.max_request_body_bytes)
+        self.settings = HTTPSettings(
+            max_request_body_bytes=config.ingress.max_request_body_bytes,
+            time_limits=TimeLimits(
+                request_timeout_s=config.ingress.request_timeout_s,
+                first_token_timeout_s=config.ingress.first_token_timeout_s,
+            ),
+        )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}
         self.app_name = serve.get_replica_context().app_name

@@ -116,6 +116,14 @@ class ModelServer:
         await self.engine.check_health()
         return self.model_name
 
+    async def in_flight(self) -> int:
+        """Requests this replica's engine still holds (running or waiting).
+
+        Read through a deployment handle by operators and by the tests that
+        prove abandoned and timed-out requests are aborted.
+        """
+        return self.engine.get_num_unfinished_requests()
+
     async def check_health(self) -> None:
         """Serve's health check: a dead engine makes Serve replace this replica."""
         await self.engine.check_health()

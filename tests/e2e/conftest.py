@@ -102,3 +102,22 @@ def app(tmp_path_factory) -> RunningApp:
         yield running
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def model_deployment(app):
+    """A Ray Serve handle to the model deployment, from this process joined to the app's cluster.
+
+    Tests use it to read the engine's in-flight request count (``in_flight``), the
+    same way an operator would, instead of guessing from timings.
+    """
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    config = yaml.safe_load(CONFIG.read_text())["applications"][0]
+    model = config["args"]["models"][0]["name"]
+    handle = serve.get_deployment_handle(f"model-{model}", app_name=config["name"])
+    yield handle
+    handle.shutdown()  # stop its router's background tasks before leaving the cluster
+    ray.shutdown()

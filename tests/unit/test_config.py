@@ -103,3 +103,17 @@ def test_shipped_configs_pass_ray_serves_own_schema(config_file):
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / config_file).read_text()))
     assert [app.import_path for app in schema.applications] == ["serve_app.app:build_app"]
+
+
+def test_time_limits_have_defaults_and_drain_defaults_to_the_longest_answer():
+    config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 8}))
+    assert (config.ingress.request_timeout_s, config.ingress.first_token_timeout_s) == (600, 120)
+    options = config.models[0].resolved_deployment(config.ingress.request_timeout_s)
+    assert options["graceful_shutdown_timeout_s"] == 600
+
+
+def test_drain_shorter_than_the_longest_answer_is_refused():
+    args = minimal(engine_args={"model": "m", "max_num_seqs": 8}, deployment={"graceful_shutdown_timeout_s": 30})
+    args["ingress"] = {"request_timeout_s": 120}
+    with pytest.raises(ConfigError, match=r"graceful_shutdown_timeout_s \(30\) is shorter than ingress.request_timeout_s \(120\)"):
+        parse_app_config(args)

@@ -6,6 +6,7 @@ the real path (Ray Serve + vLLM) is proven in tests/e2e.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,11 +14,15 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
+from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
 from serve_app.router import ModelEntry, ModelRouter
 from serve_app.streaming import Reply
 
 CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
+
+
+HANG = object()  # an item that never arrives: the replica is busy or stuck
 
 
 class FakeResponses:
@@ -34,6 +39,8 @@ class FakeResponses:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
+        if item is HANG:
+            await asyncio.Event().wait()  # only a deadline ends this wait
         if isinstance(item, BaseException):
             raise item
         return item
@@ -60,14 +67,17 @@ class FakeHandle:
         return Method()
 
 
-def client_for(items: list[Any], limit: int = 1 << 20, healthy: bool = True) -> tuple[TestClient, FakeHandle]:
+def client_for(
+    items: list[Any], limit: int = 1 << 20, healthy: bool = True, limits: TimeLimits | None = None
+) -> tuple[TestClient, FakeHandle]:
     handle = FakeHandle(items)
     router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024)})
 
     async def health_check():
         return {"glm-4-9b-chat": healthy}
 
-    app = build_http_app(router, HTTPSettings(max_request_body_bytes=limit), health_check)
+    settings = HTTPSettings(max_request_body_bytes=limit, time_limits=limits or TimeLimits(600, 120))
+    app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle
 
 
@@ -209,3 +219,54 @@ def test_health_reflects_model_replicas(healthy, status):
     response = client.get("/health")
     assert response.status_code == status
     assert response.json()["models"] == {"glm-4-9b-chat": healthy}
+
+
+SHORT = TimeLimits(request_timeout_s=0.3, first_token_timeout_s=0.1)
+FIRST = 'data: {"choices": []}\n\n'
+
+
+def test_stream_without_a_first_chunk_in_time_is_504_and_cancelled():
+    client, handle = client_for([HANG], limits=SHORT)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    error = assert_openai_error(response, 504)
+    assert error["code"] == "first_token_timeout" and "0.1 s" in error["message"]
+    assert handle.last.cancelled
+
+
+def test_unary_answer_has_the_whole_request_limit():
+    client, handle = client_for([HANG], limits=SHORT)
+    error = assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 504)
+    assert error["code"] == "request_timeout" and "0.3 s" in error["message"]
+    assert handle.last.cancelled
+
+
+def test_stream_past_the_request_limit_ends_with_an_error_event_and_is_cancelled():
+    client, handle = client_for([FIRST, HANG], limits=SHORT)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == 200
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[0] == FIRST.strip()
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "request_timeout" and last["error"]["type"] == "timeout_error"
+    assert "[DONE]" not in response.text
+    assert handle.last.cancelled
+
+
+def test_client_may_shorten_its_own_limit():
+    client, _ = client_for([HANG], limits=TimeLimits(600, 600))
+    response = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Timeout": "0.2"})
+    assert "0.2 s" in assert_openai_error(response, 504)["message"]
+
+
+def test_client_cannot_lengthen_the_limit():
+    client, _ = client_for([HANG], limits=SHORT)
+    response = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Timeout": "3600"})
+    assert "0.3 s" in assert_openai_error(response, 504)["message"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan", ""])
+def test_invalid_timeout_header_is_400(value):
+    client, handle = client_for([])
+    response = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Timeout": value})
+    assert_openai_error(response, 400, "x-request-timeout")
+    assert handle.payloads == []
