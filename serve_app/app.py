@@ -27,4 +27,4 @@ def build_app(args: dict[str, Any]) -> Application:
         ).bind(model)
         for model in config.models
     }
-    return Ingress.options(**config.ingress.deployment).bind(config, handles)
+    return Ingress.options(**config.ingress.resolved_deployment()).bind(config, handles)

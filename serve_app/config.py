@@ -172,6 +172,12 @@ class IngressConfig(_Strict):
     def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
         return validate_deployment_options(value)
 
+    def resolved_deployment(self) -> dict[str, Any]:
+        """Deployment options; an ingress replica being replaced drains its streams too."""
+        options = dict(self.deployment)
+        options.setdefault("graceful_shutdown_timeout_s", self.request_timeout_s)
+        return options
+
 
 class AppConfig(_Strict):
     """The whole application: the models it serves and its ingress."""
@@ -191,11 +197,13 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _drain_outlasts_answers(self) -> AppConfig:
         limit = self.ingress.request_timeout_s
-        for i, model in enumerate(self.models):
-            drain = model.deployment.get("graceful_shutdown_timeout_s")
+        deployments = {f"models.{i}": m.deployment for i, m in enumerate(self.models)}
+        deployments["ingress"] = self.ingress.deployment
+        for where, options in deployments.items():
+            drain = options.get("graceful_shutdown_timeout_s")
             if drain is not None and drain < limit:
                 raise ValueError(
-                    f"models.{i}.deployment.graceful_shutdown_timeout_s ({drain:g}) is shorter than "
+                    f"{where}.deployment.graceful_shutdown_timeout_s ({drain:g}) is shorter than "
                     f"ingress.request_timeout_s ({limit:g}): a replica removed by downscaling or a "
                     "config change would cut answers that are still allowed to run"
                 )

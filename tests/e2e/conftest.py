@@ -32,6 +32,7 @@ class RunningApp:
     model: str
     model_path: Path  # the engine's checkpoint, for tests that need its tokenizer
     log_path: Path
+    config_path: Path  # the config `serve run` was given
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -47,6 +48,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
+    # Tests that change the shared app (replica counts, its config) run last.
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, app: RunningApp) -> None:
@@ -87,6 +90,7 @@ def app(tmp_path_factory) -> RunningApp:
         model=model["name"],
         model_path=REPO / model["engine_args"]["model"],
         log_path=workdir / "serve.log",
+        config_path=config_path,
     )
     serve_cli = Path(sys.executable).with_name("serve")
     with running.log_path.open("w") as log:
@@ -105,19 +109,26 @@ def app(tmp_path_factory) -> RunningApp:
 
 
 @pytest.fixture(scope="session")
-def model_deployment(app):
-    """A Ray Serve handle to the model deployment, from this process joined to the app's cluster.
+def cluster(app):
+    """This process joined to the app's Ray cluster; yields the cluster's dashboard URL."""
+    import ray
+
+    context = ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    yield f"http://{context.dashboard_url}"
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_deployment(app, cluster):
+    """A Ray Serve handle to the model deployment.
 
     Tests use it to read the engine's in-flight request count (``in_flight``), the
     same way an operator would, instead of guessing from timings.
     """
-    import ray
     from ray import serve
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     config = yaml.safe_load(CONFIG.read_text())["applications"][0]
     model = config["args"]["models"][0]["name"]
     handle = serve.get_deployment_handle(f"model-{model}", app_name=config["name"])
     yield handle
     handle.shutdown()  # stop its router's background tasks before leaving the cluster
-    ray.shutdown()

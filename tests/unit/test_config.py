@@ -117,3 +117,12 @@ def test_drain_shorter_than_the_longest_answer_is_refused():
     args["ingress"] = {"request_timeout_s": 120}
     with pytest.raises(ConfigError, match=r"graceful_shutdown_timeout_s \(30\) is shorter than ingress.request_timeout_s \(120\)"):
         parse_app_config(args)
+
+
+def test_ingress_drains_as_long_as_the_longest_answer():
+    args = minimal()
+    args["ingress"] = {"request_timeout_s": 90}
+    assert parse_app_config(args).ingress.resolved_deployment()["graceful_shutdown_timeout_s"] == 90
+    args["ingress"]["deployment"] = {"graceful_shutdown_timeout_s": 10}
+    with pytest.raises(ConfigError, match=r"ingress.deployment.graceful_shutdown_timeout_s \(10\)"):
+        parse_app_config(args)
