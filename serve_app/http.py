@@ -166,7 +166,9 @@ async def relay(handle: Any, method: str, payload: BaseModel, deadline: Deadline
     except Exception as exc:
         raise replica_failure(exc) from None
     if isinstance(first, Reply):
-        return Response(first.body, status_code=first.status, media_type="application/json")
+        # A replica that cannot serve right now (its engine died) says so with 503: retry.
+        headers = {"Retry-After": "1"} if first.status == 503 else None
+        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
     return StreamingResponse(
         stream_sse(first, responses, deadline), media_type="text/event-stream", headers=SSE_HEADERS
     )

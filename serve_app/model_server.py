@@ -99,6 +99,11 @@ class ModelServer:
             create_error_response,
         )
 
+        if self.engine.errored:
+            # Not this request's fault, and nothing started: a retry reaches a healthy
+            # replica (this one fails its next health check and is replaced).
+            yield Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")
+            return
         try:
             result = await create(request)
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we

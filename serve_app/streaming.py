@@ -33,8 +33,8 @@ class Reply:
     body: bytes
 
     @classmethod
-    def error(cls, status: int, message: str, param: str | None = None) -> Reply:
-        return cls(status, json.dumps(error_body(status, message, param)).encode())
+    def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
+        return cls(status, json.dumps(error_body(status, message, param, code)).encode())
 
 
 class _End:

@@ -270,3 +270,12 @@ def test_invalid_timeout_header_is_400(value):
     response = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Timeout": value})
     assert_openai_error(response, 400, "x-request-timeout")
     assert handle.payloads == []
+
+
+def test_a_replica_that_cannot_serve_says_retry():
+    from serve_app.streaming import Reply
+
+    client, _ = client_for([Reply.error(503, "engine died", code="unavailable")])
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert assert_openai_error(response, 503)["code"] == "unavailable"
+    assert response.headers["retry-after"] == "1"

@@ -1,0 +1,78 @@
+"""An engine that dies mid-answer: its streams end with an error event, and the
+deployment replaces the replica. Runs with the other tests that disturb the app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from ray.util.state import list_actors
+
+pytestmark = pytest.mark.disruptive
+
+
+def engine_processes(handle) -> list[psutil.Process]:
+    """The vLLM engine-core processes of every live replica of the deployment."""
+    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
+    replicas = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
+    return [
+        child
+        for replica in replicas
+        for child in psutil.Process(replica.pid).children(recursive=True)
+        if "EngineCore" in " ".join(child.cmdline())
+    ]
+
+
+async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, model_deployment):
+    body = {
+        "model": app.model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 900,
+        "min_tokens": 900,
+        "stream": True,
+    }
+    engines = await asyncio.to_thread(engine_processes, model_deployment)  # found first: the lookup is slow
+    assert engines, "no engine process found"
+    started = [asyncio.Event() for _ in range(8)]
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+
+        async def stream(first_chunk: asyncio.Event) -> list[str]:
+            events: list[str] = []
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first_chunk.set()
+            return events
+
+        tasks = [asyncio.create_task(stream(e)) for e in started]
+        await asyncio.gather(*(e.wait() for e in started))
+        for engine in engines:
+            engine.send_signal(signal.SIGKILL)
+        streams = await asyncio.gather(*tasks)
+
+    for events in streams:
+        assert events[-1] != "[DONE]", f"a stream cut by a dead engine must not look complete: {events[-3:]}"
+        error = json.loads(events[-1])["error"]
+        assert error["message"] and error["type"]
+
+    start = time.monotonic()
+    async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
+        while True:  # the health check fails, Serve replaces the replica, answers resume
+            response = await client.post(
+                "/v1/chat/completions", json=body | {"stream": False, "max_tokens": 8, "min_tokens": 8}
+            )
+            if response.status_code == 200:
+                break
+            # Meanwhile: a retryable refusal, never a 500.
+            assert response.status_code in (503, 504), response.text
+            assert response.status_code == 504 or response.headers["retry-after"] == "1"
+            assert time.monotonic() - start < 360, f"no answer {time.monotonic() - start:.0f} s after the engine died"
+            await asyncio.sleep(2)  # poll interval of the condition above
+    print(f"answers resumed {time.monotonic() - start:.0f} s after the engine died")
