@@ -7,16 +7,39 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from ray import serve
 
-from tests.e2e.serve_state import deployment_status, replica_states, wait_until
 from tests.e2e.sse import post_stream
 
 pytestmark = pytest.mark.disruptive
+
+
+async def deployment_status(handle):
+    """The deployment's status overview, or None while its application is being (re)built."""
+    status = await asyncio.to_thread(serve.status)
+    application = status.applications.get(handle.app_name)
+    return application.deployments.get(handle.deployment_name) if application else None
+
+
+async def replica_states(handle) -> dict[str, int]:
+    deployment = await deployment_status(handle)
+    return dict(deployment.replica_states) if deployment else {}
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
+    """Poll ``condition`` until it holds; return the seconds it took."""
+    start = time.monotonic()
+    while not await condition():
+        assert time.monotonic() - start < timeout_s, f"not {what} after {timeout_s:.0f} s"
+        await asyncio.sleep(0.5)  # poll interval of the condition above
+    return time.monotonic() - start
 
 
 def chat(model: str, tokens: int, **extra) -> dict:
