@@ -132,3 +132,16 @@ def model_deployment(app, cluster):
     handle = serve.get_deployment_handle(f"model-{model}", app_name=config["name"])
     yield handle
     handle.shutdown()  # stop its router's background tasks before leaving the cluster
+
+
+@pytest.fixture
+async def one_replica(model_deployment):
+    """The model deployment's handle, once the deployment is at exactly one running replica.
+
+    Earlier tests may have scaled it out. A handle call reaches one replica, so a
+    count read through it is the whole deployment's only when there is one.
+    """
+    from tests.e2e.serve_state import single_replica
+
+    await single_replica(model_deployment)
+    return model_deployment

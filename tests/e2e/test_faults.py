@@ -28,7 +28,7 @@ def engine_processes(handle) -> list[psutil.Process]:
     ]
 
 
-async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, model_deployment):
+async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, one_replica):
     body = {
         "model": app.model,
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -36,7 +36,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
         "min_tokens": 900,
         "stream": True,
     }
-    engines = await asyncio.to_thread(engine_processes, model_deployment)  # found first: the lookup is slow
+    engines = await asyncio.to_thread(engine_processes, one_replica)  # found first: the lookup is slow
     assert engines, "no engine process found"
     started = [asyncio.Event() for _ in range(8)]
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:

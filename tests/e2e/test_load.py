@@ -16,10 +16,10 @@ def chat(model: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}]} | extra
 
 
-async def in_flight_reaches_zero(model_deployment, within_s: float) -> float:
+async def in_flight_reaches_zero(deployment, within_s: float) -> float:
     """Poll the engine's in-flight count; return how long it took to reach zero."""
     start = time.monotonic()
-    while (count := await model_deployment.in_flight.remote()) != 0:
+    while (count := await deployment.in_flight.remote()) != 0:
         elapsed = time.monotonic() - start
         assert elapsed < within_s, f"{count} requests still in the engine after {elapsed:.2f} s"
         await asyncio.sleep(0.02)  # poll interval of the condition above
@@ -33,37 +33,45 @@ async def timed_chat(client: httpx.AsyncClient, model: str, tokens: int) -> floa
     return time.monotonic() - start
 
 
-async def test_abandoned_streams_are_aborted_within_a_second(app, model_deployment):
+async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica):
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
+        await in_flight_reaches_zero(one_replica, within_s=30.0)  # nothing left from earlier tests
         before = await timed_chat(client, app.model, 32)
         opened: list[asyncio.Event] = [asyncio.Event() for _ in range(16)]
         leave = asyncio.Event()
 
         async def abandon(started: asyncio.Event) -> None:
-            body = chat(app.model, stream=True, **LONG)
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                lines = response.aiter_lines()  # held: dropping it would close the stream now
-                async for line in lines:
-                    if line.startswith("data: {"):
-                        break
-                started.set()
-                await leave.wait()
-            # leaving the block closes the connection mid-stream
+            try:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200, await response.aread()
+                    lines = response.aiter_lines()  # held: dropping it would close the stream now
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            break
+                    started.set()
+                    await leave.wait()
+                # leaving the block closes the connection mid-stream
+            finally:
+                started.set()  # also when it failed, so the test reports why instead of hanging
 
+        body = chat(app.model, stream=True, **LONG)
         tasks = [asyncio.create_task(abandon(e)) for e in opened]
-        await asyncio.gather(*(e.wait() for e in opened))
-        assert await model_deployment.in_flight.remote() == 16
-        leave.set()
-        await asyncio.gather(*tasks)
-        took = await in_flight_reaches_zero(model_deployment, within_s=1.0)
+        try:
+            await asyncio.gather(*(e.wait() for e in opened))
+            running = await one_replica.in_flight.remote()
+        finally:
+            leave.set()
+            await asyncio.gather(*tasks)
+        assert running == 16, f"{running} requests in the engine while 16 streams were open"
+        took = await in_flight_reaches_zero(one_replica, within_s=1.0)
         after = await timed_chat(client, app.model, 32)
+    # "As fast as before" is the engine having nothing else to run (checked above);
+    # the times are figures to read, not assertions that flake on a shared machine.
     print(f"aborted 16 streams in {took:.3f} s; 32-token request before {before:.3f} s, after {after:.3f} s")
-    assert after < 2 * before + 0.5
 
 
-async def test_stream_past_its_time_limit_ends_with_an_error_event_and_is_aborted(app, model_deployment):
+async def test_stream_past_its_time_limit_ends_with_an_error_event_and_is_aborted(app, one_replica):
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
         body = chat(app.model, stream=True, **LONG)
         async with client.stream(
@@ -75,23 +83,24 @@ async def test_stream_past_its_time_limit_ends_with_an_error_event_and_is_aborte
     error = json.loads(events[-1])["error"]
     assert (error["code"], error["type"]) == ("request_timeout", "timeout_error")
     assert any("choices" in json.loads(e) for e in events[:-1])  # it had started
-    await in_flight_reaches_zero(model_deployment, within_s=1.0)
+    await in_flight_reaches_zero(one_replica, within_s=1.0)
 
 
-async def test_unary_answer_past_its_time_limit_is_504_and_aborted(app, model_deployment):
+async def test_unary_answer_past_its_time_limit_is_504_and_aborted(app, one_replica):
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
         response = await client.post(
             "/v1/chat/completions", json=chat(app.model, **LONG), headers={"X-Request-Timeout": "0.5"}
         )
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "request_timeout"
-    await in_flight_reaches_zero(model_deployment, within_s=1.0)
+    await in_flight_reaches_zero(one_replica, within_s=1.0)
 
 
 BURST = 480  # far above one replica's 64 running + 256 queued
 
 
-async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, model_deployment):
+@pytest.mark.disruptive  # it scales the deployment out
+async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, one_replica):
     limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
     async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
 
@@ -114,5 +123,5 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, m
         assert max(t for t, _ in refused) < max(done)
         print(f"burst of {BURST}: {len(done)} complete, {len(refused)} refused; "
               f"slowest 429 {max(t for t, _ in refused):.2f} s, slowest answer {max(done):.2f} s")
-        await in_flight_reaches_zero(model_deployment, within_s=5.0)
+        await in_flight_reaches_zero(one_replica, within_s=5.0)
         assert await timed_chat(client, app.model, 8) > 0  # answers normally right after

@@ -7,39 +7,16 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from ray import serve
 
+from tests.e2e.serve_state import only_one_running, replica_states, wait_until
 from tests.e2e.sse import post_stream
 
 pytestmark = pytest.mark.disruptive
-
-
-async def deployment_status(handle):
-    """The deployment's status overview, or None while its application is being (re)built."""
-    status = await asyncio.to_thread(serve.status)
-    application = status.applications.get(handle.app_name)
-    return application.deployments.get(handle.deployment_name) if application else None
-
-
-async def replica_states(handle) -> dict[str, int]:
-    deployment = await deployment_status(handle)
-    return dict(deployment.replica_states) if deployment else {}
-
-
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Poll ``condition`` until it holds; return the seconds it took."""
-    start = time.monotonic()
-    while not await condition():
-        assert time.monotonic() - start < timeout_s, f"not {what} after {timeout_s:.0f} s"
-        await asyncio.sleep(0.5)  # poll interval of the condition above
-    return time.monotonic() - start
 
 
 def chat(model: str, tokens: int, **extra) -> dict:
@@ -51,7 +28,7 @@ def chat(model: str, tokens: int, **extra) -> dict:
     } | extra
 
 
-async def test_config_change_replaces_replicas_without_cutting_a_stream(app, model_deployment, cluster):
+async def test_config_change_replaces_replicas_without_cutting_a_stream(app, one_replica, cluster):
     """Streams keep flowing through a rolling replacement; every one completes in full."""
     config = yaml.safe_load(app.config_path.read_text())
     model = config["applications"][0]["args"]["models"][0]
@@ -80,9 +57,9 @@ async def test_config_change_replaces_replicas_without_cutting_a_stream(app, mod
             output, _ = await deploy.communicate()
             assert deploy.returncode == 0, output.decode()
             # A replacement starts next to the old replica (max_surge_percent), then the old one drains.
-            await wait_until(lambda: _replacing(model_deployment), timeout_s=60, what="replacing the replica")
+            await wait_until(lambda: _replacing(one_replica), timeout_s=60, what="replacing the replica")
             took = await wait_until(
-                lambda: _rolled_out(model_deployment), timeout_s=300, what="rolled out to the new config"
+                lambda: only_one_running(one_replica), timeout_s=300, what="rolled out to the new config"
             )
         finally:
             rollout_done.set()
@@ -96,8 +73,3 @@ async def test_config_change_replaces_replicas_without_cutting_a_stream(app, mod
 
 async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
-
-
-async def _rolled_out(handle) -> bool:
-    deployment = await deployment_status(handle)
-    return deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}

@@ -1,0 +1,60 @@
+"""Reading Serve's view of the app from a test process joined to its cluster.
+
+The app autoscales, so a test that reads one replica's engine (through a Serve
+handle, which reaches one replica per call) first waits until the deployment is
+back to a single running replica; ``single_replica`` is that wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ray import serve
+
+# Longest a scaled-out deployment takes to settle at one replica again: a starting
+# engine finishes loading (about a minute on 2 cores), the 30 s downscale delay,
+# then the extra replica drains.
+SETTLE_S = 300
+
+
+async def deployment_status(handle: Any) -> Any:
+    """The deployment's status overview, or None while its application is being (re)built.
+
+    ``handle`` is anything with ``app_name`` and ``deployment_name``, such as a Serve handle.
+    """
+    status = await asyncio.to_thread(serve.status)
+    application = status.applications.get(handle.app_name)
+    return application.deployments.get(handle.deployment_name) if application else None
+
+
+async def replica_states(handle: Any) -> dict[str, int]:
+    deployment = await deployment_status(handle)
+    return dict(deployment.replica_states) if deployment else {}
+
+
+async def wait_until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
+    """Poll ``condition`` until it holds; return the seconds it took."""
+    start = time.monotonic()
+    while not await condition():
+        assert time.monotonic() - start < timeout_s, f"not {what} after {timeout_s:.0f} s"
+        await asyncio.sleep(0.5)  # poll interval of the condition above
+    return time.monotonic() - start
+
+
+async def running(handle: Any, count: int) -> bool:
+    """At least ``count`` replicas are running (others may be starting or stopping)."""
+    return (await replica_states(handle)).get("RUNNING", 0) >= count
+
+
+async def only_one_running(handle: Any) -> bool:
+    """Exactly one replica, running, and the deployment healthy: nothing starting or draining."""
+    deployment = await deployment_status(handle)
+    return deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}
+
+
+async def single_replica(handle: Any) -> float:
+    """Wait until the deployment is at one running replica; return the seconds it took."""
+    return await wait_until(lambda: only_one_running(handle), timeout_s=SETTLE_S, what="at one running replica")
