@@ -52,6 +52,12 @@ class Endpoint:
 class HTTPSettings:
     max_request_body_bytes: int
     time_limits: TimeLimits
+    # How long a request that no replica has started is sent again while replicas
+    # answer "unavailable" (an engine died, a replica is going away).
+    unavailable_retry_s: float = 10.0
+
+
+RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
@@ -145,26 +151,41 @@ async def stream_sse(first: str, rest: Any, deadline: Deadline) -> AsyncIterator
         rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
 
 
-async def relay(handle: Any, method: str, payload: BaseModel, deadline: Deadline) -> Response:
+async def relay(
+    handle: Any, method: str, payload: BaseModel, deadline: Deadline, retry_s: float = 0.0
+) -> Response:
     """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
 
     A stream's first chunk must come before the first-token deadline; a unary
-    answer, which is its whole first item, before the end deadline.
+    answer, which is its whole first item, before the end deadline. A replica
+    that cannot serve (503: its engine died, or it went away) has started
+    nothing, so the request is sent again, to whichever replica Serve picks,
+    for up to ``retry_s`` seconds; a dead replica leaves Serve's routing at its
+    next health check.
     """
-    responses = getattr(handle, method).remote(payload)
     streaming = bool(getattr(payload, "stream", False))
-    try:
-        first = await next_before(responses, deadline.first_token_at if streaming else deadline.end_at)
-    except StopAsyncIteration:
-        raise APIError(500, "the model replica returned no answer", code="internal_error") from None
-    except DeadlineExceeded:
-        responses.cancel()
-        raise (deadline.first_token_expired() if streaming else deadline.expired()) from None
-    except asyncio.CancelledError:  # the client left before the answer began
-        responses.cancel()
-        raise
-    except Exception as exc:
-        raise replica_failure(exc) from None
+    first_by = deadline.first_token_at if streaming else deadline.end_at
+    retry_until = min(asyncio.get_running_loop().time() + retry_s, first_by)
+    while True:
+        responses = getattr(handle, method).remote(payload)
+        try:
+            first = await next_before(responses, first_by)
+        except StopAsyncIteration:
+            raise APIError(500, "the model replica returned no answer", code="internal_error") from None
+        except DeadlineExceeded:
+            responses.cancel()
+            raise (deadline.first_token_expired() if streaming else deadline.expired()) from None
+        except asyncio.CancelledError:  # the client left before the answer began
+            responses.cancel()
+            raise
+        except Exception as exc:
+            error = replica_failure(exc)
+            if error.status == 503 and await _before_retry(retry_until):
+                continue
+            raise error from None
+        if isinstance(first, Reply) and first.status == 503 and await _before_retry(retry_until):
+            continue
+        break
     if isinstance(first, Reply):
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
@@ -174,13 +195,21 @@ async def relay(handle: Any, method: str, payload: BaseModel, deadline: Deadline
     )
 
 
+async def _before_retry(until: float) -> bool:
+    """Wait one retry interval if another attempt still fits before ``until``; say whether it does."""
+    if asyncio.get_running_loop().time() + RETRY_INTERVAL_S >= until:
+        return False
+    await asyncio.sleep(RETRY_INTERVAL_S)
+    return True
+
+
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     state = request.app.state
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     body = await read_json_body(request, state.settings.max_request_body_bytes)
     entry = state.router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    return await relay(entry.handle, endpoint.method, payload, deadline)
+    return await relay(entry.handle, endpoint.method, payload, deadline, state.settings.unavailable_retry_s)
 
 
 def generation_route(endpoint: Endpoint) -> Route:

@@ -53,6 +53,7 @@ class Ingress:
                 request_timeout_s=config.ingress.request_timeout_s,
                 first_token_timeout_s=config.ingress.first_token_timeout_s,
             ),
+            unavailable_retry_s=config.ingress.unavailable_retry_s,
         )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}

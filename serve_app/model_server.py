@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import BaseModel
@@ -22,15 +23,16 @@ from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
-from serve_app.streaming import Reply, coalesce, end_on_error_event
+from serve_app.streaming import Reply, coalesce, end_on_error_event, is_error_event
 
 logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(
-    # A replica holds a whole engine: start-up (weights, KV cache) takes a while,
-    # and Serve must not give up on it meanwhile.
-    health_check_period_s=10,
+    # The check only reads the engine's state, so it runs often: a replica whose
+    # engine died leaves Serve's routing within seconds, and the ingress's retries
+    # of requests it refused land on a healthy replica.
+    health_check_period_s=2,
     health_check_timeout_s=30,
 )
 class ModelServer:
@@ -100,21 +102,29 @@ class ModelServer:
         )
 
         if self.engine.errored:
-            # Not this request's fault, and nothing started: a retry reaches a healthy
-            # replica (this one fails its next health check and is replaced).
-            yield Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")
+            yield _unavailable()
             return
         try:
             result = await create(request)
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
-            yield Reply.error(result.error.code, result.error.message, result.error.param)
+            # An error from a dead engine is the replica's, not the request's: retryable.
+            yield _unavailable() if self.engine.errored else Reply.error(
+                result.error.code, result.error.message, result.error.param
+            )
         elif isinstance(result, BaseModel):
             yield Reply(200, result.model_dump_json().encode())
         else:
-            async for chunk in coalesce(end_on_error_event(result)):
-                yield chunk
+            async with aclosing(coalesce(end_on_error_event(result))) as stream:
+                first = await anext(stream, None)
+                if first is not None and is_error_event(first) and self.engine.errored:
+                    yield _unavailable()  # died before the first token: the stream never began
+                    return
+                if first is not None:
+                    yield first
+                async for chunk in stream:
+                    yield chunk
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""
@@ -137,3 +147,9 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _unavailable() -> Reply:
+    """Not the request's fault, and nothing started: the ingress sends it again, and
+    Serve's next health check takes this replica out of routing and replaces it."""
+    return Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")

@@ -106,10 +106,14 @@ async def end_on_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     is one prefix comparison.
     """
     async for chunk in chunks:
-        if chunk.startswith(_ERROR_EVENT_PREFIX):
+        if is_error_event(chunk):
             yield normalize_error_event(chunk)
             return
         yield chunk
+
+
+def is_error_event(chunk: str) -> bool:
+    return chunk.startswith(_ERROR_EVENT_PREFIX)
 
 
 def normalize_error_event(chunk: str) -> str:

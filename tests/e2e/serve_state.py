@@ -12,7 +12,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import psutil
 from ray import serve
+from ray.util.state import list_actors
 
 # Longest a scaled-out deployment takes to settle at one replica again: a starting
 # engine finishes loading (about a minute on 2 cores), the 30 s downscale delay,
@@ -58,3 +60,20 @@ async def only_one_running(handle: Any) -> bool:
 async def single_replica(handle: Any) -> float:
     """Wait until the deployment is at one running replica; return the seconds it took."""
     return await wait_until(lambda: only_one_running(handle), timeout_s=SETTLE_S, what="at one running replica")
+
+
+def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
+    """The vLLM engine-core processes of each live replica of the deployment, by replica actor id.
+
+    Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
+    """
+    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
+    replicas = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
+    return {
+        replica.actor_id: [
+            child
+            for child in psutil.Process(replica.pid).children(recursive=True)
+            if "EngineCore" in " ".join(child.cmdline())
+        ]
+        for replica in replicas
+    }

@@ -9,23 +9,11 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
-from ray.util.state import list_actors
+
+from tests.e2e.serve_state import replica_engines
 
 pytestmark = pytest.mark.disruptive
-
-
-def engine_processes(handle) -> list[psutil.Process]:
-    """The vLLM engine-core processes of every live replica of the deployment."""
-    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
-    replicas = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
-    return [
-        child
-        for replica in replicas
-        for child in psutil.Process(replica.pid).children(recursive=True)
-        if "EngineCore" in " ".join(child.cmdline())
-    ]
 
 
 async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, one_replica):
@@ -36,7 +24,8 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
         "min_tokens": 900,
         "stream": True,
     }
-    engines = await asyncio.to_thread(engine_processes, one_replica)  # found first: the lookup is slow
+    # Found first: the lookup is slow.
+    engines = [p for found in (await asyncio.to_thread(replica_engines, one_replica)).values() for p in found]
     assert engines, "no engine process found"
     started = [asyncio.Event() for _ in range(8)]
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:

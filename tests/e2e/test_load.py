@@ -55,6 +55,10 @@ async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica):
             finally:
                 started.set()  # also when it failed, so the test reports why instead of hanging
 
+        # One open connection per stream first, so all 16 reach the server at once: a
+        # stream that must wait for a new connection can start seconds after the first
+        # one on 2 busy cores, by which time a 900-token answer may be complete.
+        await asyncio.gather(*(client.get("/v1/models") for _ in range(16)))
         body = chat(app.model, stream=True, **LONG)
         tasks = [asyncio.create_task(abandon(e)) for e in opened]
         try:

@@ -126,3 +126,11 @@ def test_ingress_drains_as_long_as_the_longest_answer():
     args["ingress"]["deployment"] = {"graceful_shutdown_timeout_s": 10}
     with pytest.raises(ConfigError, match=r"ingress.deployment.graceful_shutdown_timeout_s \(10\)"):
         parse_app_config(args)
+
+
+def test_retrying_refused_requests_defaults_to_ten_seconds_and_cannot_be_negative():
+    assert parse_app_config(minimal()).ingress.unavailable_retry_s == 10
+    args = minimal()
+    args["ingress"] = {"unavailable_retry_s": -1}
+    with pytest.raises(ConfigError, match=r"ingress.unavailable_retry_s"):
+        parse_app_config(args)

@@ -50,8 +50,10 @@ class FakeResponses:
 
 
 class FakeHandle:
-    def __init__(self, items: list[Any]):
-        self.items = items
+    """Answers the n-th call with ``calls[n]`` (the last script repeats)."""
+
+    def __init__(self, calls: list[list[Any]]):
+        self.calls = calls
         self.payloads: list[Any] = []
         self.last: FakeResponses | None = None
 
@@ -61,22 +63,30 @@ class FakeHandle:
         class Method:
             def remote(self, payload):
                 handle.payloads.append(payload)
-                handle.last = FakeResponses(handle.items)
+                handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
                 return handle.last
 
         return Method()
 
 
 def client_for(
-    items: list[Any], limit: int = 1 << 20, healthy: bool = True, limits: TimeLimits | None = None
+    items: list[Any],
+    limit: int = 1 << 20,
+    healthy: bool = True,
+    limits: TimeLimits | None = None,
+    then: list[list[Any]] = (),
+    retry_s: float = 0.0,
 ) -> tuple[TestClient, FakeHandle]:
-    handle = FakeHandle(items)
+    """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
+    handle = FakeHandle([items, *then])
     router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024)})
 
     async def health_check():
         return {"glm-4-9b-chat": healthy}
 
-    settings = HTTPSettings(max_request_body_bytes=limit, time_limits=limits or TimeLimits(600, 120))
+    settings = HTTPSettings(
+        max_request_body_bytes=limit, time_limits=limits or TimeLimits(600, 120), unavailable_retry_s=retry_s
+    )
     app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle
 
@@ -279,3 +289,47 @@ def test_a_replica_that_cannot_serve_says_retry():
     response = client.post("/v1/chat/completions", json=CHAT)
     assert assert_openai_error(response, 503)["code"] == "unavailable"
     assert response.headers["retry-after"] == "1"
+
+
+UNAVAILABLE = Reply.error(503, "engine died", code="unavailable")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_refused_by_an_unavailable_replica_is_sent_again(stream):
+    from ray.exceptions import ActorDiedError
+
+    answer = [FIRST] if stream else [Reply(200, b'{"id": "x"}')]
+    client, handle = client_for([UNAVAILABLE], then=[[ActorDiedError()], answer], retry_s=5)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
+    assert response.status_code == 200
+    assert len(handle.payloads) == 3 and len({id(p) for p in handle.payloads}) == 1
+
+
+def test_retries_stop_after_their_window_with_a_503():
+    client, handle = client_for([UNAVAILABLE], retry_s=1.0)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert assert_openai_error(response, 503)["code"] == "unavailable"
+    assert response.headers["retry-after"] == "1"
+    assert len(handle.payloads) == 2  # at 0 and 0.5 s; a third, at 1.0 s, would not fit
+
+
+def test_retries_end_at_the_first_token_deadline():
+    client, handle = client_for([UNAVAILABLE], limits=TimeLimits(600, 0.7), retry_s=60)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert assert_openai_error(response, 503)["code"] == "unavailable"
+    assert len(handle.payloads) == 2
+
+
+@pytest.mark.parametrize("failure", ["400", "500", "429"])
+def test_other_failures_are_not_retried(failure):
+    from ray.serve.exceptions import BackPressureError
+
+    first = {
+        "400": Reply.error(400, "bad", param="messages"),
+        "500": RuntimeError("boom"),
+        "429": BackPressureError(num_queued_requests=1, max_queued_requests=1),
+    }[failure]
+    client, handle = client_for([first], retry_s=5)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == int(failure)
+    assert len(handle.payloads) == 1
