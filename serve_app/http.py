@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -144,6 +145,8 @@ async def stream_sse(first: str, rest: Any, deadline: Deadline) -> AsyncIterator
     except DeadlineExceeded:
         error = deadline.expired()
         yield sse_error_event(error.status, error.message, error.code)
+    except TaskCancelledError:  # the client left; nobody reads an error event
+        pass
     except Exception as exc:
         error = replica_failure(exc)
         yield sse_error_event(error.status, error.message, error.code)
@@ -177,6 +180,8 @@ async def relay(
             raise (deadline.first_token_expired() if streaming else deadline.expired()) from None
         except asyncio.CancelledError:  # the client left before the answer began
             responses.cancel()
+            raise
+        except TaskCancelledError:  # Serve cancelled it because the client left
             raise
         except Exception as exc:
             error = replica_failure(exc)
@@ -245,6 +250,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left (Serve reports it as a cancelled task): nothing to answer, nothing to log."""
     return Response(status_code=499)
 
 
@@ -281,6 +287,7 @@ def build_http_app(
             APIError: _api_error,
             HTTPException: _http_error,
             ClientDisconnect: _client_gone,
+            TaskCancelledError: _client_gone,
             Exception: _unexpected,
         },
     )

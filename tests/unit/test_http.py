@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -333,3 +334,13 @@ def test_other_failures_are_not_retried(failure):
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == int(failure)
     assert len(handle.payloads) == 1
+
+
+def test_a_request_serve_cancelled_because_its_client_left_is_not_logged_as_an_error(caplog):
+    from ray.exceptions import TaskCancelledError
+
+    client, handle = client_for([TaskCancelledError()], retry_s=5)
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == 499
+    assert len(handle.payloads) == 1 and not caplog.records
