@@ -46,10 +46,19 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             engine.send_signal(signal.SIGKILL)
         streams = await asyncio.gather(*tasks)
 
+    # On 2 shared cores one stream can run to its end before the others begin (see
+    # the README's known issues), so a stream either finished before the kill, in
+    # full, or was cut and says so; none just stops.
+    cut = 0
     for events in streams:
-        assert events[-1] != "[DONE]", f"a stream cut by a dead engine must not look complete: {events[-3:]}"
-        error = json.loads(events[-1])["error"]
-        assert error["message"] and error["type"]
+        if events[-1] == "[DONE]":
+            last = json.loads(events[-2])["choices"][0]
+            assert last["finish_reason"] == "length", f"a stream cut by a dead engine looks complete: {events[-3:]}"
+        else:
+            error = json.loads(events[-1])["error"]
+            assert error["message"] and error["type"]
+            cut += 1
+    assert cut >= len(streams) // 2, f"only {cut} of {len(streams)} streams were still running when the engine died"
 
     start = time.monotonic()
     async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
