@@ -166,7 +166,7 @@ class IngressConfig(_Strict):
         description="Longest a stream may wait for its first chunk (queueing and prefill); past it, 504.",
     )
     unavailable_retry_s: float = Field(
-        default=10.0,
+        default=30.0,
         ge=0,
         description="How long a request that no replica has started is sent again while replicas answer "
         "'unavailable' (an engine died, a replica is going away); then 503 with Retry-After.",

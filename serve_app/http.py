@@ -55,7 +55,7 @@ class HTTPSettings:
     time_limits: TimeLimits
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
-    unavailable_retry_s: float = 10.0
+    unavailable_retry_s: float = 30.0
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
@@ -168,7 +168,14 @@ async def relay(
     """
     streaming = bool(getattr(payload, "stream", False))
     first_by = deadline.first_token_at if streaming else deadline.end_at
-    retry_until = min(asyncio.get_running_loop().time() + retry_s, first_by)
+    retry_until: float | None = None  # set at the first refusal: a long answer cut by a dead engine may retry too
+
+    def give_up_at() -> float:
+        nonlocal retry_until
+        if retry_until is None:
+            retry_until = min(asyncio.get_running_loop().time() + retry_s, first_by)
+        return retry_until
+
     while True:
         responses = getattr(handle, method).remote(payload)
         try:
@@ -185,10 +192,10 @@ async def relay(
             raise
         except Exception as exc:
             error = replica_failure(exc)
-            if error.status == 503 and await _before_retry(retry_until):
+            if error.status == 503 and await _before_retry(give_up_at()):
                 continue
             raise error from None
-        if isinstance(first, Reply) and first.status == 503 and await _before_retry(retry_until):
+        if isinstance(first, Reply) and first.status == 503 and await _before_retry(give_up_at()):
             continue
         break
     if isinstance(first, Reply):

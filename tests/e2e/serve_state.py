@@ -57,9 +57,20 @@ async def only_one_running(handle: Any) -> bool:
     return deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}
 
 
+async def serving_alone(handle: Any) -> bool:
+    """One running replica whose engine is alive (Serve marks a dead one only after 3 failed checks)."""
+    if not await only_one_running(handle):
+        return False
+    try:
+        await asyncio.wait_for(handle.ping.remote(), timeout=10)
+    except Exception:
+        return False
+    return True
+
+
 async def single_replica(handle: Any) -> float:
-    """Wait until the deployment is at one running replica; return the seconds it took."""
-    return await wait_until(lambda: only_one_running(handle), timeout_s=SETTLE_S, what="at one running replica")
+    """Wait until the deployment is at one running replica with a live engine; return the seconds it took."""
+    return await wait_until(lambda: serving_alone(handle), timeout_s=SETTLE_S, what="at one running, live replica")
 
 
 def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:

@@ -27,38 +27,44 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
     # Found first: the lookup is slow.
     engines = [p for found in (await asyncio.to_thread(replica_engines, one_replica)).values() for p in found]
     assert engines, "no engine process found"
-    started = [asyncio.Event() for _ in range(8)]
+    first_chunk = asyncio.Event()
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
 
-        async def stream(first_chunk: asyncio.Event) -> list[str]:
+        async def stream() -> tuple[int, httpx.Headers, list[str]]:
             events: list[str] = []
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
                         first_chunk.set()
-            return events
+                    elif response.status_code != 200:
+                        events.append(line)
+            return response.status_code, response.headers, events
 
-        tasks = [asyncio.create_task(stream(e)) for e in started]
-        await asyncio.gather(*(e.wait() for e in started))
+        tasks = [asyncio.create_task(stream()) for _ in range(8)]
+        # Killed as soon as one stream is under way: on 2 shared cores the others may
+        # not have begun yet (see the README's known issues).
+        await first_chunk.wait()
         for engine in engines:
             engine.send_signal(signal.SIGKILL)
         streams = await asyncio.gather(*tasks)
 
-    # On 2 shared cores one stream can run to its end before the others begin (see
-    # the README's known issues), so a stream either finished before the kill, in
-    # full, or was cut and says so; none just stops.
+    # Each stream was cut and says so, or had finished in full before the kill, or had
+    # not started and was refused as retryable (no healthy replica to send it to).
     cut = 0
-    for events in streams:
-        if events[-1] == "[DONE]":
+    for status, headers, events in streams:
+        if status != 200:
+            assert status in (503, 504), (status, events)
+            assert status == 504 or headers["retry-after"] == "1"
+        elif events[-1] == "[DONE]":
             last = json.loads(events[-2])["choices"][0]
             assert last["finish_reason"] == "length", f"a stream cut by a dead engine looks complete: {events[-3:]}"
         else:
             error = json.loads(events[-1])["error"]
             assert error["message"] and error["type"]
             cut += 1
-    assert cut >= len(streams) // 2, f"only {cut} of {len(streams)} streams were still running when the engine died"
+    assert cut >= 1, f"no stream was under way when the engine died: {[(s, e[-1:]) for s, _, e in streams]}"
+    print(f"{cut} of {len(streams)} streams were cut by the engine's death, each with an error event")
 
     start = time.monotonic()
     async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:

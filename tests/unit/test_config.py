@@ -128,8 +128,8 @@ def test_ingress_drains_as_long_as_the_longest_answer():
         parse_app_config(args)
 
 
-def test_retrying_refused_requests_defaults_to_ten_seconds_and_cannot_be_negative():
-    assert parse_app_config(minimal()).ingress.unavailable_retry_s == 10
+def test_retrying_refused_requests_defaults_to_thirty_seconds_and_cannot_be_negative():
+    assert parse_app_config(minimal()).ingress.unavailable_retry_s == 30
     args = minimal()
     args["ingress"] = {"unavailable_retry_s": -1}
     with pytest.raises(ConfigError, match=r"ingress.unavailable_retry_s"):

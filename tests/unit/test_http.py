@@ -24,6 +24,7 @@ CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}
 
 
 HANG = object()  # an item that never arrives: the replica is busy or stuck
+SLOW = object()  # the next item comes after 0.6 s: a long answer under way
 
 
 class FakeResponses:
@@ -40,6 +41,9 @@ class FakeResponses:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
+        if item is SLOW:
+            await asyncio.sleep(0.6)
+            item = self.items.pop(0)
         if item is HANG:
             await asyncio.Event().wait()  # only a deadline ends this wait
         if isinstance(item, BaseException):
@@ -344,3 +348,11 @@ def test_a_request_serve_cancelled_because_its_client_left_is_not_logged_as_an_e
         response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
     assert response.status_code == 499
     assert len(handle.payloads) == 1 and not caplog.records
+
+
+def test_an_answer_cut_by_a_dead_engine_after_a_while_is_still_sent_again():
+    # The window starts at the refusal, not at the request: here it comes after 0.6 s.
+    client, handle = client_for([SLOW, UNAVAILABLE], then=[[Reply(200, b'{"id": "x"}')]], retry_s=0.55)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    assert len(handle.payloads) == 2
