@@ -161,10 +161,11 @@ async def relay(
 
     A stream's first chunk must come before the first-token deadline; a unary
     answer, which is its whole first item, before the end deadline. A replica
-    that cannot serve (503: its engine died, or it went away) has started
-    nothing, so the request is sent again, to whichever replica Serve picks,
-    for up to ``retry_s`` seconds; a dead replica leaves Serve's routing at its
-    next health check.
+    that cannot serve (503: its engine died, or it went away) has sent the
+    client nothing, even if it had begun generating, so the request is sent
+    again, to whichever replica Serve picks, for up to ``retry_s`` seconds from
+    that first refusal; a dead replica leaves Serve's routing at its next
+    health check.
     """
     streaming = bool(getattr(payload, "stream", False))
     first_by = deadline.first_token_at if streaming else deadline.end_at
