@@ -4,19 +4,23 @@
 # (It cannot be built on the CPU-only development machines of this project.)
 FROM rayproject/ray:2.60.0-py311-gpu
 
-# The base image's user `ray` (uid 1000) owns the Python environment; stay non-root.
-USER ray
+# Model weights: the Hugging Face cache lives on a volume (a PVC on Kubernetes, mounted
+# at /models), so a restarted pod does not download 19 GB again. HF_TOKEN, if needed,
+# comes from a Secret.
+USER root
+RUN mkdir -p /models/hf && chown -R 1000:100 /models
+ENV HF_HOME=/models/hf
+
+# The base image's user `ray` (uid 1000, group users) owns the Python environment;
+# everything below, and the container at run time, is non-root.
+USER 1000:100
 WORKDIR /home/ray/app
 
-COPY --chown=ray:users pyproject.toml README.md ./
-COPY --chown=ray:users serve_app ./serve_app
-COPY --chown=ray:users deploy ./deploy
+COPY --chown=1000:100 pyproject.toml README.md ./
+COPY --chown=1000:100 serve_app ./serve_app
+COPY --chown=1000:100 deploy ./deploy
 RUN pip install --no-cache-dir '.[gpu]'
 
-# Model weights: the Hugging Face cache lives on a volume (a PVC on Kubernetes), so a
-# restarted pod does not download 19 GB again. HF_TOKEN, if needed, comes from a Secret.
-ENV HF_HOME=/models/hf
-RUN sudo mkdir -p /models/hf && sudo chown -R ray:users /models
 VOLUME ["/models"]
 
 # 8000: Serve HTTP; 8265: Ray dashboard; 6379: Ray GCS; 8080: Prometheus metrics.

