@@ -17,7 +17,7 @@ from ray import serve
 from ray.util.state import list_actors
 
 # Longest a scaled-out deployment takes to settle at one replica again: a starting
-# engine finishes loading (about a minute on 2 cores), the 30 s downscale delay,
+# engine finishes loading (about a minute on 2 cores), the 60 s downscale delay,
 # then the extra replica drains.
 SETTLE_S = 300
 

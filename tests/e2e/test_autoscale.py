@@ -47,7 +47,12 @@ async def test_scales_out_under_load_loses_nothing_when_an_engine_dies_and_scale
     assert config["max_ongoing_requests"] == 64 and config["autoscaling_config"]["target_ongoing_requests"] == 32
     stop = asyncio.Event()
     answered = 0
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    # keepalive_expiry=None: httpcore 1.0.9's pool can close a connection that expired while
+    # idle after handing it to a request whose task had not yet run; on a starved client the
+    # request is then already on the wire and fails with ReadError (encode/httpcore#1110).
+    # Without an expiry the client never closes a connection itself; Serve's 75 s keep-alive
+    # never lapses here, as every connection carries one request after another.
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS, keepalive_expiry=None)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
 
         async def keep_busy() -> None:
