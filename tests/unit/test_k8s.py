@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -63,17 +63,14 @@ def base_documents() -> list[dict[str, Any]]:
     return [doc for path in sorted((K8S / "base").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def all_document_sets() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    yield "base", [d for d in base_documents() if d.get("kind") != "Kustomization"]
-    for overlay in OVERLAYS:
-        yield overlay, list(rendered(overlay))
-
-
 DOCUMENT_SETS = ["base", *OVERLAYS]
 
 
 def documents(name: str) -> list[dict[str, Any]]:
-    return dict(all_document_sets())[name]
+    """The objects of the plain base files, or of an overlay as `kubectl kustomize` renders it."""
+    if name == "base":
+        return [d for d in base_documents() if d.get("kind") != "Kustomization"]
+    return list(rendered(name))
 
 
 def rayservices(name: str) -> list[dict[str, Any]]:
