@@ -144,8 +144,39 @@ class ModelConfig(_Strict):
         return options
 
 
+class APIKeysConfig(_Strict):
+    """Where the ingress reads its API keys; set exactly one source.
+
+    Keys are separated by commas, spaces or newlines. A source that holds no key
+    stops the ingress from starting: keys that are configured but missing never
+    mean an open server.
+    """
+
+    env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding the keys (a Kubernetes Secret fills it).",
+    )
+    file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Path of a file holding the keys (a mounted Secret); re-read when it changes.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> APIKeysConfig:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("set exactly one of 'env' and 'file'")
+        return self
+
+
 class IngressConfig(_Strict):
     """The HTTP ingress: limits it enforces and its own Serve deployment options."""
+
+    api_keys: APIKeysConfig | None = Field(
+        default=None,
+        description="When set, every /v1/* request needs 'Authorization: Bearer <key>'; /health stays open.",
+    )
 
     max_request_body_bytes: int = Field(
         default=8 * 1024 * 1024,

@@ -6,8 +6,9 @@ large, 400 when not a JSON object), validate it with vLLM's own request model
 relay the replica's answer. Relaying writes the replica's bytes straight to the
 socket; it parses nothing per token.
 
-Per-request policies (API keys, rate limits, timeouts) belong between parsing
-and routing, in :func:`handle_generation`.
+API keys are checked before any of that, by :mod:`serve_app.auth`'s middleware;
+other per-request policies (rate limits, timeouts) belong between parsing and
+routing, in :func:`handle_generation`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from pydantic import BaseModel, ValidationError
 from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from vllm.exceptions import VLLMClientError
 
+from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
 from serve_app.router import ModelRouter
@@ -56,6 +59,7 @@ class HTTPSettings:
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
+    api_keys: APIKeys | None = None  # None: no key needed
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
@@ -289,8 +293,10 @@ def build_http_app(
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
+    middleware = [Middleware(APIKeyMiddleware, keys=settings.api_keys)] if settings.api_keys is not None else []
     app = Starlette(
         routes=routes,
+        middleware=middleware,
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,

@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 from starlette.applications import Starlette
 
+from serve_app.auth import load_api_keys
 from serve_app.config import AppConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
@@ -54,6 +55,8 @@ class Ingress:
                 first_token_timeout_s=config.ingress.first_token_timeout_s,
             ),
             unavailable_retry_s=config.ingress.unavailable_retry_s,
+            # Read here, in the replica: the environment (or mounted file) is the node's, not the deployer's.
+            api_keys=load_api_keys(config.ingress.api_keys),
         )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}

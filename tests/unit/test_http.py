@@ -15,6 +15,7 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
+from serve_app.auth import APIKeys
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
 from serve_app.router import ModelEntry, ModelRouter
@@ -81,6 +82,7 @@ def client_for(
     limits: TimeLimits | None = None,
     then: list[list[Any]] = (),
     retry_s: float = 0.0,
+    api_keys: APIKeys | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -90,7 +92,10 @@ def client_for(
         return {"glm-4-9b-chat": healthy}
 
     settings = HTTPSettings(
-        max_request_body_bytes=limit, time_limits=limits or TimeLimits(600, 120), unavailable_retry_s=retry_s
+        max_request_body_bytes=limit,
+        time_limits=limits or TimeLimits(600, 120),
+        unavailable_retry_s=retry_s,
+        api_keys=api_keys,
     )
     app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle
