@@ -195,6 +195,26 @@ def test_gpu_autoscaling_and_zero_downtime_upgrades_are_on(name):
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_api_keys_come_from_a_required_secret_where_the_ingress_runs(name):
+    """The serve config's key file is a mounted Secret on every worker (where the ingress runs)."""
+    (rayservice,) = rayservices(name)
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    keys_file = Path(serve["applications"][0]["args"]["ingress"]["api_keys"]["file"])
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == keys_file.parent]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        secret = volume["secret"]
+        assert secret["secretName"] == "glm4-serve-api-keys" and not secret.get("optional", False)
+        assert "items" not in secret or keys_file.name in {i["path"] for i in secret["items"]}
+        # Readable by the pod's group (fsGroup), not by others.
+        assert secret["defaultMode"] & 0o007 == 0 and secret["defaultMode"] & 0o040
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_the_policies_select_the_ray_pods(name):
     """The PodDisruptionBudget and NetworkPolicy select by labels the pod templates carry."""
     docs = documents(name)
