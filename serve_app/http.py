@@ -1,10 +1,10 @@
 """The HTTP surface: Starlette routes of the OpenAI-compatible API.
 
 Each generation route does the same four things: read the body (413 when too
-large, 400 when not a JSON object), validate it with vLLM's own request model
-(400 naming the parameter), route it by ``model`` (404 when nobody serves it) and
-relay the replica's answer. Relaying writes the replica's bytes straight to the
-socket; it parses nothing per token.
+large), validate it strictly with vLLM's own request model and the OpenAI API's
+rules (:mod:`serve_app.validation`; 400 naming the parameter), route it by
+``model`` (404 when nobody serves it) and relay the replica's answer. Relaying
+writes the replica's bytes straight to the socket; it parses nothing per token.
 
 API keys are checked before any of that, by :mod:`serve_app.auth`'s middleware;
 other per-request policies (rate limits, timeouts) belong between parsing and
@@ -14,14 +14,12 @@ routing, in :func:`handle_generation`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,13 +27,13 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from vllm.exceptions import VLLMClientError
 
 from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
 from serve_app.router import ModelRouter
 from serve_app.streaming import Reply
+from serve_app.validation import check_output_fits, decode_body, parse_request
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,8 +63,8 @@ class HTTPSettings:
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, refusing oversized bodies before reading them whole."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw request body, refusing oversized bodies before reading them whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes")
@@ -77,39 +75,7 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise APIError(400, "the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """A 400 that names the first offending parameter and lists every problem."""
-    errors = exc.errors(include_url=False, include_input=False)
-    params = [".".join(str(p) for p in e["loc"]) for e in errors]
-    details = "; ".join(
-        f"{param}: {e['msg']}" if param else e["msg"] for param, e in zip(params, errors)
-    )
-    return APIError(400, f"invalid request: {details}", param=next((p for p in params if p), None))
-
-
-def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
-    """Validate a body with vLLM's request model; a fresh uuid4 replaces any client request id."""
-    body["request_id"] = uuid.uuid4().hex
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    except VLLMClientError as exc:  # raised by vLLM's own model validators, naming the parameter
-        raise APIError(400, f"invalid request: {exc.args[0]}", param=getattr(exc, "parameter", None)) from None
-    except ValueError as exc:
-        raise APIError(400, f"invalid request: {exc}") from None
+    return b"".join(chunks)
 
 
 def replica_failure(exc: BaseException) -> APIError:
@@ -223,9 +189,10 @@ async def _before_retry(until: float) -> bool:
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     state = request.app.state
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
-    body = await read_json_body(request, state.settings.max_request_body_bytes)
+    body = decode_body(await read_body(request, state.settings.max_request_body_bytes))
     entry = state.router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
+    check_output_fits(body, entry.max_model_len)
     return await relay(entry.handle, endpoint.method, payload, deadline, state.settings.unavailable_retry_s)
 
 

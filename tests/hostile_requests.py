@@ -1,0 +1,117 @@
+"""Malformed and hostile requests, each with the 4xx it must get and the parameter it must name.
+
+Shared by the ingress's unit tests (fake replicas) and the end-to-end tests (the
+real app), so both hold the same promise: every one of these is answered with an
+OpenAI-shaped error, and none reaches an engine or hurts the server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL = "glm-4-9b-chat"
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATH = "/v1/completions"
+BODY_LIMIT = 8388608  # ingress.max_request_body_bytes in deploy/config.cpu.yaml
+
+
+@dataclass(frozen=True)
+class Hostile:
+    id: str
+    body: bytes
+    status: int
+    param: str | None = None
+    path: str = CHAT_PATH
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
+
+
+def encoded(body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + (
+        b"[" * depth + b"]" * depth
+    ) + b"}"
+
+
+def without(body: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != key}
+
+
+HOSTILE: list[Hostile] = [
+    # The body itself
+    Hostile("empty body", b"", 400),
+    Hostile("not JSON", b"{model: glm}", 400),
+    Hostile("truncated JSON", encoded(chat())[:-3], 400),
+    Hostile("JSON array", b"[1, 2]", 400),
+    Hostile("JSON string", b'"hello"', 400),
+    Hostile("invalid UTF-8", b'{"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+    Hostile("UTF-16", json.dumps(chat()).encode("utf-16"), 400),
+    Hostile("NaN", encoded(chat())[:-1] + b', "temperature": NaN}', 400),
+    Hostile("Infinity", encoded(chat())[:-1] + b', "top_p": Infinity}', 400),
+    Hostile("nested 100000 deep", nested(100_000), 400),
+    Hostile("nested 65 deep", nested(65), 400),
+    Hostile("over the body limit", encoded(chat(messages=[{"role": "user", "content": "x" * BODY_LIMIT}])), 413),
+    # Types are not coerced
+    Hostile("stream 'yes'", encoded(chat(stream="yes")), 400, "stream"),
+    Hostile("stream 1", encoded(chat(stream=1)), 400, "stream"),
+    Hostile("max_tokens '5'", encoded(chat(max_tokens="5")), 400, "max_tokens"),
+    Hostile("max_tokens 5.5", encoded(chat(max_tokens=5.5)), 400, "max_tokens"),
+    Hostile("temperature '0.5'", encoded(chat(temperature="0.5")), 400, "temperature"),
+    Hostile("n true", encoded(chat(n=True)), 400, "n"),
+    Hostile("seed '1'", encoded(chat(seed="1")), 400, "seed"),
+    Hostile("stop 42", encoded(chat(stop=42)), 400, "stop"),
+    Hostile("model 42", encoded(chat(model=42)), 400, "model"),
+    Hostile("messages an object", encoded(chat(messages={"role": "user", "content": "hi"})), 400, "messages"),
+    Hostile("content a number", encoded(chat(messages=[{"role": "user", "content": 7}])), 400, "messages.0.content"),
+    Hostile("tools an object", encoded(chat(tools={"type": "function"})), 400, "tools"),
+    # Ranges
+    Hostile("max_tokens 0", encoded(chat(max_tokens=0)), 400, "max_tokens"),
+    Hostile("max_tokens -1", encoded(chat(max_tokens=-1)), 400, "max_tokens"),
+    Hostile("max_completion_tokens 0", encoded(chat(max_completion_tokens=0)), 400, "max_completion_tokens"),
+    Hostile("max_tokens 10**30", encoded(chat(max_tokens=10**30)), 400, "max_tokens"),
+    Hostile("temperature 2.5", encoded(chat(temperature=2.5)), 400, "temperature"),
+    Hostile("temperature -0.1", encoded(chat(temperature=-0.1)), 400, "temperature"),
+    Hostile("top_p 1.5", encoded(chat(top_p=1.5)), 400, "top_p"),
+    Hostile("n 0", encoded(chat(n=0)), 400, "n"),
+    Hostile("n 129", encoded(chat(n=129)), 400, "n"),
+    Hostile("presence_penalty 3", encoded(chat(presence_penalty=3)), 400, "presence_penalty"),
+    Hostile("frequency_penalty -3", encoded(chat(frequency_penalty=-3)), 400, "frequency_penalty"),
+    Hostile("top_logprobs 21", encoded(chat(logprobs=True, top_logprobs=21)), 400, "top_logprobs"),
+    Hostile("five stop sequences", encoded(chat(stop=["a", "b", "c", "d", "e"])), 400, "stop"),
+    Hostile("empty stop sequence", encoded(chat(stop=[""])), 400, "stop"),
+    Hostile("logit_bias 500", encoded(chat(logit_bias={"5": 500})), 400, "logit_bias"),
+    # Messages
+    Hostile("unknown role", encoded(chat(messages=[{"role": "wizard", "content": "hi"}])), 400, "messages.0.role"),
+    Hostile("role missing", encoded(chat(messages=[{"content": "hi"}])), 400, "messages.0.role"),
+    Hostile("no messages", encoded(chat(messages=[])), 400, "messages"),
+    Hostile("messages missing", encoded(without(chat(), "messages")), 400, "messages"),
+    # Parameters
+    Hostile("unknown parameter", encoded(chat(temperatur=0.5)), 400, "temperatur"),
+    Hostile("removed guided_json", encoded(chat(guided_json={"type": "object"})), 400, "guided_json"),
+    Hostile("model missing", encoded(without(chat(), "model")), 400, "model"),
+    Hostile("model not served", encoded(chat(model="gpt-4")), 404, "model"),
+    Hostile("named tool not offered", encoded(chat(
+        tools=[{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}],
+        tool_choice={"type": "function", "function": {"name": "b"}},
+    )), 400, "tool_choice"),
+    Hostile("bad X-Request-Timeout", encoded(chat()), 400, "x-request-timeout", headers={"X-Request-Timeout": "soon"}),
+    # Completions
+    Hostile("completion without prompt", encoded({"model": MODEL, "max_tokens": 4}), 400, "prompt", COMPLETION_PATH),
+    Hostile("completion prompt an object", encoded({"model": MODEL, "prompt": {"a": 1}}), 400, "prompt", COMPLETION_PATH),
+    Hostile("completion logprobs 6", encoded({"model": MODEL, "prompt": "hi", "logprobs": 6}), 400, "logprobs",
+            COMPLETION_PATH),
+    Hostile("completion echo 'no'", encoded({"model": MODEL, "prompt": "hi", "echo": "no"}), 400, "echo",
+            COMPLETION_PATH),
+    # Routes
+    Hostile("GET on a POST route", b"", 405, method="GET"),
+    Hostile("unknown route", encoded(chat()), 404, path="/v1/chat/complete"),
+]

@@ -1,0 +1,70 @@
+"""Hypothesis strategies for request bodies: mostly shaped like a chat request, any values.
+
+Shared by the ingress's fuzz test (fake replicas, many examples) and the
+end-to-end one (the real engine, few examples). ``max_output`` bounds the
+answers that pass validation, so fuzzing a real engine stays quick.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import strategies as st
+
+from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, MODEL
+
+JSON_LEAF = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+JSON_VALUE = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard"]) | JSON_VALUE,
+        "content": st.text(max_size=30) | JSON_VALUE,
+        "tool_calls": JSON_VALUE,
+        "tool_call_id": st.text(max_size=8),
+        "name": st.text(max_size=8),
+    },
+)
+# Parameters a fuzzed body may carry, with any JSON value (plus a few names nobody knows).
+FREE_PARAMS = [
+    "stream", "temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+    "logprobs", "top_logprobs", "seed", "tools", "tool_choice", "response_format", "stream_options", "user",
+    "store", "metadata", "temperatur", "guided_json",
+]
+
+
+def chat_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
+    """Chat-shaped bodies. With ``max_output``, any that the server accepts asks for at most that many tokens."""
+    tokens = st.integers(-5, 5000) | JSON_VALUE if max_output is None else st.integers(-1, max_output) | JSON_LEAF
+    choices = st.integers(-2, 200) | JSON_VALUE if max_output is None else st.integers(-1, 2) | JSON_LEAF
+    required = {"model": st.just(MODEL) | JSON_VALUE, "messages": st.lists(MESSAGE | JSON_VALUE, max_size=3) | JSON_VALUE}
+    if max_output is not None:
+        required["max_tokens"] = tokens  # always bounded: no default of "the rest of the context"
+    optional = {name: JSON_VALUE for name in FREE_PARAMS} | {"n": choices}
+    if max_output is None:
+        optional |= {"max_tokens": tokens, "max_completion_tokens": tokens, "min_tokens": JSON_VALUE}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+def completion_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
+    """Completion-shaped bodies: a prompt as text, token ids, a batch, or anything."""
+    tokens = st.integers(-5, 5000) | JSON_VALUE if max_output is None else st.integers(-1, max_output) | JSON_LEAF
+    prompt = st.text(max_size=30) | st.lists(st.integers(-3, 600), max_size=6) | st.lists(st.text(max_size=8), max_size=3)
+    required = {"model": st.just(MODEL) | JSON_VALUE, "prompt": prompt | JSON_VALUE, "max_tokens": tokens}
+    optional = {name: JSON_VALUE for name in ("stream", "temperature", "stop", "logprobs", "echo", "seed", "suffix")}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+def request_bodies(max_output: int | None = None) -> st.SearchStrategy[tuple[str, bytes]]:
+    """(path, raw body): chat- or completion-shaped JSON, any JSON, or any bytes, to either route."""
+    any_path = st.sampled_from([CHAT_PATH, COMPLETION_PATH])
+    shapeless = JSON_VALUE.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64)
+    return st.one_of(
+        st.tuples(st.just(CHAT_PATH), chat_bodies(max_output).map(lambda b: json.dumps(b).encode())),
+        st.tuples(st.just(COMPLETION_PATH), completion_bodies(max_output).map(lambda b: json.dumps(b).encode())),
+        st.tuples(any_path, shapeless),
+    )
