@@ -170,8 +170,20 @@ class APIKeysConfig(_Strict):
         return self
 
 
+class CORSConfig(_Strict):
+    """Cross-origin requests from browsers; without this section none are allowed."""
+
+    allow_origins: list[str] = Field(
+        min_length=1, description="Origins allowed to call the API from a browser, e.g. https://chat.example.com."
+    )
+    allow_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Timeout"])
+    max_age_s: int = Field(default=600, ge=0, description="How long a browser may cache a preflight answer.")
+
+
 class IngressConfig(_Strict):
     """The HTTP ingress: limits it enforces and its own Serve deployment options."""
+
+    cors: CORSConfig | None = Field(default=None, description="Off unless set: no CORS headers are sent.")
 
     api_keys: APIKeysConfig | None = Field(
         default=None,

@@ -24,11 +24,13 @@ from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app.auth import APIKeyMiddleware, APIKeys
+from serve_app.config import CORSConfig
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
 from serve_app.router import ModelRouter
@@ -58,6 +60,7 @@ class HTTPSettings:
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
     api_keys: APIKeys | None = None  # None: no key needed
+    cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
@@ -260,7 +263,19 @@ def build_http_app(
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    middleware = [Middleware(APIKeyMiddleware, keys=settings.api_keys)] if settings.api_keys is not None else []
+    middleware = []
+    if settings.cors is not None:  # outermost: a browser's preflight carries no API key
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=settings.cors.allow_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=settings.cors.allow_headers,
+                max_age=settings.cors.max_age_s,
+            )
+        )
+    if settings.api_keys is not None:
+        middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -57,6 +57,7 @@ class Ingress:
             unavailable_retry_s=config.ingress.unavailable_retry_s,
             # Read here, in the replica: the environment (or mounted file) is the node's, not the deployer's.
             api_keys=load_api_keys(config.ingress.api_keys),
+            cors=config.ingress.cors,
         )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}

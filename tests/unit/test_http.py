@@ -16,6 +16,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
 from serve_app.auth import APIKeys
+from serve_app.config import CORSConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
 from serve_app.router import ModelEntry, ModelRouter
@@ -83,6 +84,7 @@ def client_for(
     then: list[list[Any]] = (),
     retry_s: float = 0.0,
     api_keys: APIKeys | None = None,
+    cors: CORSConfig | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -96,6 +98,7 @@ def client_for(
         time_limits=limits or TimeLimits(600, 120),
         unavailable_retry_s=retry_s,
         api_keys=api_keys,
+        cors=cors,
     )
     app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle
