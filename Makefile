@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test unit e2e tiny-model k8s-sync clean
+.PHONY: install serve test unit e2e bench tiny-model k8s-sync clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ unit: install
 
 e2e: install tiny-model
 	$(BIN)/python -m pytest -v -m e2e
+
+# Load benchmark of the app `make serve` runs (start it first, in another terminal).
+bench: install
+	$(BIN)/python -m benchmarks.load --model glm-4-9b-chat --concurrency 1 16 64 --out bench.json --plot bench.png
 
 # Copy deploy/config.yaml into the RayService's serveConfigV2 (a test fails while they differ).
 k8s-sync:

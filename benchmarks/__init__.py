@@ -1,0 +1,1 @@
+"""Load benchmarks for any OpenAI-compatible endpoint: `python -m benchmarks.load --help`."""

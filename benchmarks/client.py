@@ -1,0 +1,86 @@
+"""One streamed request against an OpenAI-compatible server, timed as a client sees it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from benchmarks.records import RequestRecord
+
+FIRST_TOKEN_ID = 100  # prompts are token ids from here on: valid in any GLM-4 vocabulary, exact lengths
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The same request, sent many times: fixed input and output lengths."""
+
+    model: str
+    input_tokens: int
+    output_tokens: int
+    endpoint: str = "completions"  # or "chat": a text prompt of about input_tokens tokens
+
+    def path(self) -> str:
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+    def body(self) -> dict[str, Any]:
+        common = {
+            "model": self.model,
+            "max_tokens": self.output_tokens,
+            "ignore_eos": True,  # exactly output_tokens tokens, whatever the model would say
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
+        if self.endpoint == "completions":
+            return common | {"prompt": [FIRST_TOKEN_ID + i % 200 for i in range(self.input_tokens)]}
+        return common | {"messages": [{"role": "user", "content": " ".join(["hello"] * self.input_tokens)}]}
+
+
+def output_text(event: dict[str, Any]) -> str:
+    """The text a chunk adds, for completions and chat chunks alike."""
+    text = ""
+    for choice in event.get("choices") or ():
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text
+
+
+async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
+    started = time.perf_counter()
+    record = RequestRecord(ok=False)
+    last_output: float | None = None
+    try:
+        async with client.stream("POST", workload.path(), json=workload.body()) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                record.error = f"{response.status_code}: {body[:120]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter()
+                payload = line[len("data: ") :]
+                if payload == "[DONE]":
+                    record.e2e_s = now - started
+                    record.ok = record.ttft_s is not None
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    record.error = f"error event: {event['error'].get('message', '')[:120]}"
+                    return record
+                if event.get("usage"):
+                    record.output_tokens = event["usage"]["completion_tokens"]
+                if output_text(event):
+                    if record.ttft_s is None:
+                        record.ttft_s = now - started
+                    else:
+                        record.gaps_s.append(now - last_output)
+                    last_output = now
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:160]
+    if record.e2e_s is None and record.error is None:
+        record.error = "stream ended without [DONE]"
+    return record

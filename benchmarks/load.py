@@ -1,0 +1,199 @@
+"""Drive an OpenAI-compatible endpoint at fixed concurrencies or Poisson rates; write JSON and a plot.
+
+    python -m benchmarks.load --url http://127.0.0.1:8000 --model glm-4-9b-chat \\
+        --concurrency 1 16 64 --input-tokens 32 --output-tokens 64 --out bench.json --plot bench.png
+
+Every request streams a fixed number of output tokens (``ignore_eos``) from a
+prompt of fixed length, so runs compare like with like. Per request it records
+time to first token, the gaps between chunks, time per output token and the
+end-to-end latency; per load level, their percentiles and the throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.client import Workload, stream_once
+from benchmarks.records import RequestRecord, record_dict, summarize
+
+
+@dataclass(frozen=True)
+class Load:
+    """Either ``concurrency`` clients sending back to back, or Poisson arrivals at ``rate`` per second."""
+
+    requests: int
+    concurrency: int | None = None
+    rate: float | None = None
+
+    def label(self) -> str:
+        return f"concurrency {self.concurrency}" if self.concurrency else f"rate {self.rate:g}/s"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"concurrency": self.concurrency, "rate": self.rate, "requests": self.requests}
+
+
+class Progress:
+    """One status line per load level on stderr, rewritten as requests finish."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.failed = label, total, 0, 0
+        self.started = time.perf_counter()
+
+    def update(self, record: RequestRecord) -> None:
+        self.done += 1
+        self.failed += not record.ok
+        elapsed = time.perf_counter() - self.started
+        sys.stderr.write(f"\r{self.label}: {self.done}/{self.total} done, {self.failed} failed, {elapsed:.1f} s ")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+async def timed(client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
+    record = await stream_once(client, workload)
+    if record.ok and record.output_tokens != workload.output_tokens:
+        record.ok = False
+        record.error = f"{record.output_tokens} output tokens, asked for {workload.output_tokens}"
+    return record
+
+
+class Clients:
+    """Idle one-connection clients, one per request in flight, kept open between requests.
+
+    One httpx pool shared by dozens of busy streams spends the benchmark's own CPU scanning
+    itself on every request (seen with py-spy), which would measure the client, not the server.
+    """
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url, self.headers = url, headers
+        self.idle: list[httpx.AsyncClient] = []
+        self.all: list[httpx.AsyncClient] = []
+
+    def acquire(self) -> httpx.AsyncClient:
+        if self.idle:
+            return self.idle.pop()
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=None)
+        client = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=600, limits=limits)
+        self.all.append(client)
+        return client
+
+    def release(self, client: httpx.AsyncClient) -> None:
+        self.idle.append(client)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(client.aclose() for client in self.all))
+
+
+async def run_load(clients: Clients, workload: Workload, load: Load, seed: int = 0) -> list[RequestRecord]:
+    progress = Progress(load.label(), load.requests)
+    records: list[RequestRecord] = []
+
+    async def one() -> None:
+        client = clients.acquire()
+        try:
+            record = await timed(client, workload)
+        finally:
+            clients.release(client)
+        records.append(record)
+        progress.update(record)
+
+    if load.concurrency:
+        remaining = iter(range(load.requests))
+
+        async def worker() -> None:
+            for _ in remaining:
+                await one()
+
+        await asyncio.gather(*(worker() for _ in range(load.concurrency)))
+    else:
+        arrivals = random.Random(seed)
+        tasks = []
+        for _ in range(load.requests):
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(arrivals.expovariate(load.rate))
+        await asyncio.gather(*tasks)
+    return records
+
+
+async def run(url: str, workload: Workload, loads: list[Load], api_key: str | None, warmup: int) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    clients = Clients(url, headers)
+    try:
+        if warmup:
+            await run_load(clients, workload, Load(requests=warmup, concurrency=1))
+        levels = []
+        for load in loads:
+            started = time.perf_counter()
+            records = await run_load(clients, workload, load)
+            summary = summarize(load.as_dict(), records, time.perf_counter() - started)
+            levels.append(summary | {"records": [record_dict(r) for r in records]})
+    finally:
+        await clients.aclose()
+    return {"url": url, "workload": workload.__dict__, "levels": levels}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{'load':>18} {'ok':>5} {'ttft p50':>9} {'tpot p50':>9} {'e2e p50':>9} {'e2e p99':>9} {'tok/s':>8}")
+    for level in result["levels"]:
+        load = level["load"]
+        name = f"concurrency {load['concurrency']}" if load["concurrency"] else f"rate {load['rate']:g}/s"
+        ok = level["requests"] - level["failed"]
+
+        def ms(metric: str, p: str = "p50") -> str:
+            value = level[metric][p]
+            return "-" if value is None else f"{value:.1f}"
+
+        print(f"{name:>18} {ok:>5} {ms('ttft_ms'):>9} {ms('tpot_ms'):>9} {ms('e2e_ms'):>9} "
+              f"{ms('e2e_ms', 'p99'):>9} {level['output_tokens_per_s']:>8.1f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server (no /v1)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--api-key", help="sent as a Bearer token")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--input-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    loads = parser.add_mutually_exclusive_group(required=True)
+    loads.add_argument("--concurrency", type=int, nargs="+", help="one level per value")
+    loads.add_argument("--rate", type=float, nargs="+", help="Poisson arrivals per second, one level per value")
+    parser.add_argument("--requests", type=int, help="per level (default: 4 x concurrency, at least 16; 64 per rate)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
+    parser.add_argument("--out", type=Path, help="write every figure and per-request record as JSON")
+    parser.add_argument("--plot", type=Path, help="write latency percentiles and throughput against load as PNG")
+    return parser.parse_args(argv)
+
+
+def levels_from(args: argparse.Namespace) -> list[Load]:
+    if args.concurrency:
+        return [Load(requests=args.requests or max(16, 4 * c), concurrency=c) for c in args.concurrency]
+    return [Load(requests=args.requests or 64, rate=r) for r in args.rate]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    workload = Workload(args.model, args.input_tokens, args.output_tokens, args.endpoint)
+    result = asyncio.run(run(args.url, workload, levels_from(args), args.api_key, args.warmup))
+    print_table(result)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from benchmarks.plot import plot_levels
+
+        plot_levels(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

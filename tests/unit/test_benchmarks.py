@@ -1,0 +1,108 @@
+"""The load benchmark's arithmetic and outputs (its run against the real app is in tests/e2e)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.client import Workload, output_text
+from benchmarks.load import Load, levels_from, parse_args
+from benchmarks.plot import plot_levels
+from benchmarks.records import RequestRecord, percentiles, summarize
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tpot_is_the_time_after_the_first_token_per_later_token():
+    record = RequestRecord(ok=True, ttft_s=0.1, e2e_s=1.1, output_tokens=11)
+    assert record.tpot_s == pytest.approx(0.1)
+    assert RequestRecord(ok=True, ttft_s=0.1, e2e_s=0.2, output_tokens=1).tpot_s is None
+
+
+def test_percentiles_are_in_milliseconds():
+    figures = percentiles([i / 1000 for i in range(1, 101)])
+    assert figures["p50"] == pytest.approx(50.5) and figures["p99"] == pytest.approx(99.01)
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_summary_counts_only_successful_requests_in_latency_and_throughput():
+    records = [
+        RequestRecord(ok=True, ttft_s=0.02, e2e_s=0.5, output_tokens=64, gaps_s=[0.01, 0.03]),
+        RequestRecord(ok=True, ttft_s=0.04, e2e_s=0.7, output_tokens=64),
+        RequestRecord(ok=False, error="503: busy"),
+    ]
+    summary = summarize({"concurrency": 2}, records, wall_s=2.0)
+    assert summary["failed"] == 1 and summary["errors"] == ["503: busy"]
+    assert summary["output_tokens_per_s"] == 64.0 and summary["requests_per_s"] == 1.0
+    assert summary["ttft_ms"]["p50"] == pytest.approx(30.0)
+    assert summary["itl_ms"]["mean"] == pytest.approx(20.0)
+
+
+def test_workload_asks_for_exact_lengths():
+    body = Workload("m", input_tokens=32, output_tokens=64).body()
+    assert len(body["prompt"]) == 32 and body["max_tokens"] == 64 and body["ignore_eos"] is True
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    chat = Workload("m", 8, 4, endpoint="chat")
+    assert chat.path() == "/v1/chat/completions" and "messages" in chat.body()
+
+
+def test_output_text_reads_completion_and_chat_chunks():
+    assert output_text({"choices": [{"text": "ab"}]}) == "ab"
+    assert output_text({"choices": [{"delta": {"content": "c"}}]}) == "c"
+    assert output_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+
+
+def test_levels_default_to_enough_requests_per_level():
+    args = parse_args(["--model", "m", "--concurrency", "1", "16"])
+    assert levels_from(args) == [Load(requests=16, concurrency=1), Load(requests=64, concurrency=16)]
+    rates = levels_from(parse_args(["--model", "m", "--rate", "2.5", "--requests", "10"]))
+    assert rates == [Load(requests=10, rate=2.5)]
+
+
+def test_plot_is_written(tmp_path):
+    level = summarize({"concurrency": 1, "rate": None, "requests": 1},
+                      [RequestRecord(ok=True, ttft_s=0.02, e2e_s=0.5, output_tokens=64)], 1.0)
+    result = {"url": "http://x", "workload": {"model": "m", "input_tokens": 1, "output_tokens": 64},
+              "levels": [level, level | {"load": {"concurrency": 4, "rate": None, "requests": 1}}]}
+    plot_levels(json.loads(json.dumps(result)), tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_both_servers_get_the_configs_engine_args_and_environment(tmp_path):
+    import yaml
+
+    from benchmarks.servers import bare_vllm, this_app
+
+    config = yaml.safe_load((REPO / "deploy" / "config.cpu.yaml").read_text())
+    config["applications"][0]["args"]["ingress"]["api_keys"] = {"env": "KEYS"}
+    entry = config["applications"][0]["args"]["models"][0]
+    bare = bare_vllm(config, None, tmp_path, REPO)
+    assert yaml.safe_load((tmp_path / "engine_args.yaml").read_text()) == entry["engine_args"]
+    assert bare.argv[bare.argv.index("--served-model-name") + 1] == entry["name"]
+    assert bare.env == {k: str(v) for k, v in config["applications"][0]["runtime_env"]["env_vars"].items()}
+
+    app = this_app(config, None, tmp_path, REPO)
+    served = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())
+    args = served["applications"][0]["args"]
+    assert served["http_options"]["port"] == int(app.url.rsplit(":", 1)[1])
+    assert args["models"][0]["engine_args"] == entry["engine_args"]
+    for deployment in (args["models"][0]["deployment"], args["ingress"]["deployment"]):
+        assert deployment["num_replicas"] == 1 and "autoscaling_config" not in deployment
+    assert "api_keys" not in args["ingress"]  # bare vLLM is measured without keys too
+    assert "api_keys" in config["applications"][0]["args"]["ingress"]  # the original is untouched
+
+
+def test_comparison_reports_each_goal_against_its_target():
+    from benchmarks.side_by_side import compare
+
+    def result(ttft: float, e2e: float, tokens_per_s: float) -> dict:
+        level = lambda c: {"load": {"concurrency": c}, "ttft_ms": {"p50": ttft}, "e2e_ms": {"p50": e2e},
+                           "output_tokens_per_s": tokens_per_s}
+        return {"levels": [level(1), level(16), level(64)]}
+
+    rows = compare(result(20, 1000, 1000), result(25, 1300, 900))
+    assert [(r["goal"].split(",")[0], r["met"]) for r in rows] == [
+        ("time to first token p50", True), ("end-to-end p50", False), ("output tokens/s", True)]
+    assert rows[0]["difference"] == 5 and rows[1]["ratio"] == 1.3 and rows[2]["ratio"] == 0.9
