@@ -4,7 +4,9 @@ This is the ``import_path`` of every config under ``deploy/``
 (``serve_app.app:build_app``): ``serve run``, KubeRay's RayService and the tests
 all start the application here. It validates the arguments, then binds one
 :class:`~serve_app.model_server.ModelServer` deployment per model and the
-:class:`~serve_app.ingress.Ingress` in front of them. Settings are read in
+:class:`~serve_app.ingress.Ingress` in front of them, and, when per-key rate limits
+are configured, the :class:`~serve_app.rate_limits.RateLimiter` that every ingress
+replica asks. Settings are read in
 :mod:`serve_app.config`; they act in the deployments.
 """
 
@@ -17,6 +19,7 @@ from ray.serve import Application
 from serve_app.config import parse_app_config
 from serve_app.ingress import Ingress
 from serve_app.model_server import ModelServer
+from serve_app.rate_limits import RateLimiter
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -27,4 +30,8 @@ def build_app(args: dict[str, Any]) -> Application:
         ).bind(model)
         for model in config.models
     }
-    return Ingress.options(**config.ingress.resolved_deployment()).bind(config, handles)
+    limits = config.ingress.rate_limits
+    rate_limiter = None
+    if limits is not None:
+        rate_limiter = RateLimiter.options(name="rate-limiter", **limits.deployment).bind(limits)
+    return Ingress.options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)

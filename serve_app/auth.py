@@ -31,6 +31,8 @@ from serve_app.errors import APIError
 logger = logging.getLogger("ray.serve")
 
 PROTECTED_PREFIX = "/v1/"
+KEY_ID_HEX_CHARS = 16
+KEY_ID_SCOPE_KEY = "api_key_id"  # where the middleware leaves the key's id: request.state.api_key_id
 _SEPARATORS = re.compile(r"[\s,]+")
 
 
@@ -110,14 +112,21 @@ class APIKeys:
         else:
             logger.warning("API keys from %s are now empty; keeping the previous keys", self.describe)
 
-    def accepts(self, key: str) -> bool:
-        """Whether ``key`` is one of the configured keys, without an early exit on a match."""
+    def identify(self, key: str) -> str | None:
+        """The id of ``key`` if it is one of the configured keys (else None), without an early exit.
+
+        The id (a prefix of the key's SHA-256, in hex) names the key in rate limits;
+        it is not the key and cannot be turned back into it.
+        """
         self._refresh()
         presented = _digest(key)
         match = False
         for digest in self._digests:
             match |= hmac.compare_digest(presented, digest)
-        return match
+        return presented.hex()[:KEY_ID_HEX_CHARS] if match else None
+
+    def accepts(self, key: str) -> bool:
+        return self.identify(key) is not None
 
 
 def load_api_keys(config: APIKeysConfig | None) -> APIKeys | None:
@@ -155,16 +164,19 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         token = bearer_token(Headers(scope=scope))
+        key_id = None if token is None else self.keys.identify(token)
         if token is None:
             error = APIError(
                 401,
                 "no API key: send it in an Authorization header as 'Bearer <key>'",
                 code="invalid_api_key",
             )
-        elif not self.keys.accepts(token):
+        elif key_id is None:
             error = APIError(401, "the API key is not valid", code="invalid_api_key")
         else:
-            await self.app(scope, receive, send)
+            # A fresh state mapping: the server's may be shared between requests.
+            state = dict(scope.get("state") or {}, **{KEY_ID_SCOPE_KEY: key_id})
+            await self.app(dict(scope, state=state), receive, send)
             return
         await send(
             {

@@ -180,8 +180,46 @@ class CORSConfig(_Strict):
     max_age_s: int = Field(default=600, ge=0, description="How long a browser may cache a preflight answer.")
 
 
+class RateLimitsConfig(_Strict):
+    """Limits every API key gets, enforced together by all ingress replicas; set at least one.
+
+    Each is a token bucket that holds a minute's worth and refills continuously, so
+    a key may burst up to its limit and then sustain it. Tokens are prompt plus
+    completion tokens, counted when an answer ends; a request is admitted while its
+    key's token bucket is not empty.
+    """
+
+    requests_per_minute: int | None = Field(default=None, gt=0, description="Requests each key may send per minute.")
+    tokens_per_minute: int | None = Field(
+        default=None, gt=0, description="Prompt plus completion tokens each key may use per minute."
+    )
+    deployment: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Serve options of the one-replica deployment that keeps the counts (e.g. ray_actor_options).",
+    )
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> RateLimitsConfig:
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            raise ValueError("set requests_per_minute, tokens_per_minute or both")
+        return self
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
+        value = validate_deployment_options(value)
+        for option in ("num_replicas", "autoscaling_config"):
+            if option in value:
+                raise ValueError(f"{option} cannot be set: one replica keeps every key's counts")
+        return value
+
+
 class IngressConfig(_Strict):
     """The HTTP ingress: limits it enforces and its own Serve deployment options."""
+
+    rate_limits: RateLimitsConfig | None = Field(
+        default=None, description="Per-API-key limits (429 with Retry-After past them); needs api_keys."
+    )
 
     cors: CORSConfig | None = Field(default=None, description="Off unless set: no CORS headers are sent.")
 
@@ -242,6 +280,12 @@ class AppConfig(_Strict):
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         return models
+
+    @model_validator(mode="after")
+    def _limits_have_keys(self) -> AppConfig:
+        if self.ingress.rate_limits is not None and self.ingress.api_keys is None:
+            raise ValueError("ingress.rate_limits are per API key: set ingress.api_keys too")
+        return self
 
     @model_validator(mode="after")
     def _drain_outlasts_answers(self) -> AppConfig:

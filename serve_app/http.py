@@ -14,6 +14,7 @@ routing, in :func:`handle_generation`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -33,14 +34,16 @@ from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.config import CORSConfig
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
+from serve_app.rate_limits import KeyLimits
 from serve_app.router import ModelRouter
-from serve_app.streaming import Reply
+from serve_app.streaming import Reply, Usage
 from serve_app.validation import check_output_fits, decode_body, parse_request
 
 logger = logging.getLogger("ray.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HealthCheck = Callable[[], Awaitable[dict[str, bool]]]
+TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class HTTPSettings:
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
     api_keys: APIKeys | None = None  # None: no key needed
+    key_limits: KeyLimits | None = None  # None: no per-key rate limits
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
 
 
@@ -105,15 +109,29 @@ def replica_failure(exc: BaseException) -> APIError:
     return APIError(500, "internal error while generating the answer", code="internal_error")
 
 
-async def stream_sse(first: str, rest: Any, deadline: Deadline) -> AsyncIterator[str | bytes]:
-    """Write a replica's SSE stream through; a failure after the start becomes a final error event."""
+async def stream_sse(
+    first: str, rest: Any, deadline: Deadline, on_tokens: TokenCounter | None = None
+) -> AsyncIterator[str | bytes]:
+    """Write a replica's SSE stream through; a failure after the start becomes a final error event.
+
+    With ``on_tokens``, the replica ends the stream with a :class:`Usage` (not written
+    out), and ``on_tokens`` is told its total; a stream cut short (the client left)
+    is counted as one token per event it was sent.
+    """
+    usage: Usage | None = None
+    events = 0
     try:
         yield first
+        events += first.count("data: ") if on_tokens else 0
         while True:
             try:
                 chunk = await next_before(rest, deadline.end_at)
             except StopAsyncIteration:
                 break
+            if isinstance(chunk, Usage):
+                usage = chunk
+                continue
+            events += chunk.count("data: ") if on_tokens else 0
             yield chunk
     except DeadlineExceeded:
         error = deadline.expired()
@@ -125,10 +143,17 @@ async def stream_sse(first: str, rest: Any, deadline: Deadline) -> AsyncIterator
         yield sse_error_event(error.status, error.message, error.code)
     finally:
         rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
+        if on_tokens is not None:
+            on_tokens(usage.total_tokens if usage is not None else events)
 
 
 async def relay(
-    handle: Any, method: str, payload: BaseModel, deadline: Deadline, retry_s: float = 0.0
+    handle: Any,
+    method: str,
+    payload: BaseModel,
+    deadline: Deadline,
+    retry_s: float = 0.0,
+    on_tokens: TokenCounter | None = None,
 ) -> Response:
     """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
 
@@ -151,7 +176,7 @@ async def relay(
         return retry_until
 
     while True:
-        responses = getattr(handle, method).remote(payload)
+        responses = getattr(handle, method).remote(payload, on_tokens is not None)
         try:
             first = await next_before(responses, first_by)
         except StopAsyncIteration:
@@ -173,11 +198,13 @@ async def relay(
             continue
         break
     if isinstance(first, Reply):
+        if on_tokens is not None and first.usage is not None:
+            on_tokens(first.usage.total_tokens)
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
         return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
     return StreamingResponse(
-        stream_sse(first, responses, deadline), media_type="text/event-stream", headers=SSE_HEADERS
+        stream_sse(first, responses, deadline, on_tokens), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
@@ -196,7 +223,13 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     entry = state.router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
     check_output_fits(body, entry.max_model_len)
-    return await relay(entry.handle, endpoint.method, payload, deadline, state.settings.unavailable_retry_s)
+    on_tokens = None
+    if (limits := state.settings.key_limits) is not None:
+        key_id = request.state.api_key_id  # set by the API-key middleware, which limits require
+        await limits.admit(key_id)
+        on_tokens = functools.partial(limits.charge, key_id) if limits.counts_tokens else None
+    retry_s = state.settings.unavailable_retry_s
+    return await relay(entry.handle, endpoint.method, payload, deadline, retry_s, on_tokens)
 
 
 def generation_route(endpoint: Endpoint) -> Route:

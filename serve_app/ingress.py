@@ -19,6 +19,7 @@ from serve_app.auth import load_api_keys
 from serve_app.config import AppConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
+from serve_app.rate_limits import KeyLimits
 from serve_app.router import ModelEntry, ModelRouter
 
 
@@ -33,12 +34,19 @@ def running_models(status: Any, app_name: str, deployments: dict[str, str]) -> d
     return result
 
 
+def key_limits(config: AppConfig, rate_limiter: Any) -> KeyLimits | None:
+    limits = config.ingress.rate_limits
+    if limits is None or rate_limiter is None:
+        return None
+    return KeyLimits(rate_limiter, counts_tokens=limits.tokens_per_minute is not None)
+
+
 @serve.deployment
 @serve.ingress()
 class Ingress:
     """Receives OpenAI-style HTTP requests and streams them to model replicas."""
 
-    def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
+    def __init__(self, config: AppConfig, handles: dict[str, Any], rate_limiter: Any = None) -> None:
         self.router = ModelRouter(
             {
                 # Streaming handles, made once: every call is answered by a generator.
@@ -58,6 +66,7 @@ class Ingress:
             # Read here, in the replica: the environment (or mounted file) is the node's, not the deployer's.
             api_keys=load_api_keys(config.ingress.api_keys),
             cors=config.ingress.cors,
+            key_limits=key_limits(config, rate_limiter),
         )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}

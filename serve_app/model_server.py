@@ -23,7 +23,7 @@ from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
-from serve_app.streaming import Reply, coalesce, end_on_error_event, is_error_event
+from serve_app.streaming import Reply, Usage, UsageTap, coalesce, end_on_error_event, is_error_event
 
 logger = logging.getLogger("ray.serve")
 
@@ -85,17 +85,17 @@ class ModelServer:
             "model %s ready (max_model_len=%d, stop_token_ids=%s)", model.name, self.max_model_len, stop_ids
         )
 
-    async def chat(self, request: Any) -> AsyncIterator[Reply | str]:
-        """Answer a validated ``ChatCompletionRequest``."""
-        async for item in self._answer(self.chat_serving.create_chat_completion, request):
+    async def chat(self, request: Any, report_usage: bool = False) -> AsyncIterator[Reply | str | Usage]:
+        """Answer a validated ``ChatCompletionRequest``; with ``report_usage``, a stream ends in a :class:`Usage`."""
+        async for item in self._answer(self.chat_serving.create_chat_completion, request, report_usage):
             yield item
 
-    async def completion(self, request: Any) -> AsyncIterator[Reply | str]:
-        """Answer a validated ``CompletionRequest``."""
-        async for item in self._answer(self.completion_serving.create_completion, request):
+    async def completion(self, request: Any, report_usage: bool = False) -> AsyncIterator[Reply | str | Usage]:
+        """Answer a validated ``CompletionRequest``; with ``report_usage``, a stream ends in a :class:`Usage`."""
+        async for item in self._answer(self.completion_serving.create_completion, request, report_usage):
             yield item
 
-    async def _answer(self, create: Any, request: Any) -> AsyncIterator[Reply | str]:
+    async def _answer(self, create: Any, request: Any, report_usage: bool) -> AsyncIterator[Reply | str | Usage]:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -104,6 +104,7 @@ class ModelServer:
         if self.engine.errored:
             yield _unavailable()
             return
+        usage_tap = _usage_tap(request) if report_usage and getattr(request, "stream", False) else None
         try:
             result = await create(request)
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
@@ -114,9 +115,12 @@ class ModelServer:
                 result.error.code, result.error.message, result.error.param
             )
         elif isinstance(result, BaseModel):
-            yield Reply(200, result.model_dump_json().encode())
+            usage = getattr(result, "usage", None)
+            counted = Usage(usage.prompt_tokens, usage.completion_tokens or 0) if usage is not None else None
+            yield Reply(200, result.model_dump_json().encode(), counted)
         else:
-            async with aclosing(coalesce(end_on_error_event(result))) as stream:
+            chunks = usage_tap.tap(end_on_error_event(result)) if usage_tap else end_on_error_event(result)
+            async with aclosing(coalesce(chunks)) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.engine.errored:
                     yield _unavailable()  # died before the first token: the stream never began
@@ -125,6 +129,8 @@ class ModelServer:
                     yield first
                 async for chunk in stream:
                     yield chunk
+            if usage_tap is not None and usage_tap.usage is not None:
+                yield usage_tap.usage
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""
@@ -147,6 +153,17 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _usage_tap(request: Any) -> UsageTap:
+    """Turn the usage chunk on for a stream, remembering whether its client asked for it."""
+    from vllm.entrypoints.generate.base.protocol import StreamOptions
+
+    options = request.stream_options
+    client_asked = bool(options and options.include_usage)
+    if not client_asked:  # (continuous usage has no effect without include_usage: keep it off)
+        request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=False)
+    return UsageTap(client_asked)
 
 
 def _unavailable() -> Reply:

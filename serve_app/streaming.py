@@ -26,11 +26,27 @@ _ERROR_EVENT_PREFIX = 'data: {"error"'
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Tokens an answer used, reported by the replica for per-key token limits.
+
+    A stream's last generator item when the ingress asked for it; never written to the client.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
 class Reply:
     """A complete (non-streamed) answer: HTTP status and JSON body."""
 
     status: int
     body: bytes
+    usage: Usage | None = None
 
     @classmethod
     def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
@@ -125,3 +141,36 @@ def normalize_error_event(chunk: str) -> str:
     except (ValueError, KeyError, TypeError):
         body = error_body(500, "the stream failed")
     return "data: " + json.dumps(body) + "\n\n"
+
+
+_USAGE_CHUNK_MARK = '"choices":[]'  # vLLM's final usage chunk, and no other chunk, has no choices
+
+
+@dataclass
+class UsageTap:
+    """Takes the final usage chunk out of a vLLM stream, keeping it for the client only if it asked.
+
+    The replica turns ``stream_options.include_usage`` on when the ingress needs the
+    counts (per-key token limits); a client that did not ask for the usage chunk
+    must not receive it. The cost per chunk is one substring search.
+    """
+
+    client_asked: bool
+    usage: Usage | None = None
+
+    async def tap(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for chunk in chunks:
+            if _USAGE_CHUNK_MARK in chunk and '"usage"' in chunk:
+                self.usage = read_usage(chunk) or self.usage
+                if not self.client_asked:
+                    continue
+            yield chunk
+
+
+def read_usage(chunk: str) -> Usage | None:
+    """The usage of one ``data: {...}`` event, or None if it has none."""
+    try:
+        usage = json.loads(chunk[len("data: ") :])["usage"]
+        return Usage(int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0))
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,19 +1,25 @@
-"""A rolling config change on the real app: an operator turns API keys on.
+"""Rolling config changes on the real app: an operator turns API keys on, then per-key limits.
 
 Changing the application's arguments replaces every replica. Streams from clients
 that already send their key flow through the replacement and complete in full;
 afterwards every ``/v1/*`` request needs a key, ``/health`` does not, a rotated
 key file takes effect without a restart, and no key is ever written to a log.
+Then per-key rate limits go on with two ingress replicas, which together admit
+exactly the configured rate.
 
-It changes the shared app's config and leaves keys on, so it runs last.
+These change the shared app's config and leave keys and limits on, so they run last,
+in this order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -22,13 +28,16 @@ import pytest
 import ray
 import yaml
 
-from tests.e2e.serve_state import only_one_running, replica_states, wait_until
+from tests.e2e.serve_state import only_one_running, replica_states, running, wait_until
 from tests.e2e.sse import post_stream
 
 pytestmark = pytest.mark.disruptive
 
 KEYS = ("sk-e2e-first-4f1c9a", "sk-e2e-second-77b2d0")
 ROTATED = "sk-e2e-rotated-c3e8aa"
+LIMITED = ("sk-e2e-requests-9d01be", "sk-e2e-tokens-0a7f3c")  # one key per limit, so each starts full
+REQUESTS_PER_MINUTE = 12
+TOKENS_PER_MINUTE = 1200
 
 
 def chat(model: str, tokens: int, **extra) -> dict:
@@ -122,8 +131,24 @@ async def _check_rotation(app, keys_file: Path) -> None:
     assert not await _accepts(app.url, KEYS[0])
 
 
+def _session_logs() -> Path:
+    return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+
+
+def _ingress_logs_naming(request_ids: list[str]) -> list[Path]:
+    """The ingress replicas' log files (Serve writes one per replica) that name any of the requests."""
+    return [
+        path for path in (_session_logs() / "serve").glob("replica_*_Ingress_*.log")
+        if any(request_id in path.read_text(errors="replace") for request_id in request_ids)
+    ]
+
+
+async def _both_ingress_replicas_logged(request_ids: list[str]) -> bool:
+    return len(await asyncio.to_thread(_ingress_logs_naming, request_ids)) == 2
+
+
 def _check_no_key_is_logged(app) -> None:
-    session_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    session_logs = _session_logs()
     logged = [p for p in [app.log_path, *session_logs.rglob("*")] if p.is_file() and _mentions_a_key(p)]
     assert not logged, f"a key appears in {logged}"
 
@@ -145,3 +170,89 @@ async def _accepts(url: str, key: str) -> bool:
 
 async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
+
+
+async def test_two_ingress_replicas_together_enforce_each_keys_rate_limits(app, one_replica, cluster, tmp_path):
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text("\n".join(LIMITED) + "\n")
+    config = yaml.safe_load(app.config_path.read_text())
+    ingress = config["applications"][0]["args"]["ingress"]
+    ingress["api_keys"] = {"file": str(keys_file)}
+    ingress["rate_limits"] = {"requests_per_minute": REQUESTS_PER_MINUTE, "tokens_per_minute": TOKENS_PER_MINUTE}
+    ingress["deployment"] = {k: v for k, v in ingress["deployment"].items() if k != "autoscaling_config"}
+    ingress["deployment"]["num_replicas"] = 2
+    limited = app.config_path.with_name("with-rate-limits.yaml")
+    limited.write_text(yaml.safe_dump(config, sort_keys=False))
+    await serve_deploy(limited, cluster)
+    ingress_replicas = _Deployment(one_replica.app_name, "Ingress")
+    await wait_until(lambda: _accepts(app.url, LIMITED[0]), timeout_s=300, what="accepting the new keys")
+    await wait_until(lambda: running(ingress_replicas, 2), timeout_s=300, what="running two ingress replicas")
+    await wait_until(lambda: only_one_running(one_replica), timeout_s=300, what="settled at one model replica")
+
+    await _check_requests_per_minute(app)
+    await _check_tokens_per_minute(app)
+
+
+class _Deployment:
+    """Names a deployment for serve_state's helpers, as a handle would."""
+
+    def __init__(self, app_name: str, deployment_name: str) -> None:
+        self.app_name, self.deployment_name = app_name, deployment_name
+
+
+async def _check_requests_per_minute(app) -> None:
+    """Sent all at once, through both ingress replicas, exactly the limit gets through."""
+    key = bearer(LIMITED[0])
+    started = time.monotonic()
+    request_ids = [f"rate-limit-check-{uuid.uuid4()}" for _ in range(2 * REQUESTS_PER_MINUTE)]
+
+    async def one(request_id: str) -> httpx.Response:
+        headers = key | {"X-Request-Id": request_id}  # Serve logs it as the request's id
+        async with httpx.AsyncClient(base_url=app.url, timeout=120, headers=headers) as client:
+            return await client.post("/v1/chat/completions", json=chat(app.model, 1))
+
+    responses = await asyncio.gather(*(one(request_id) for request_id in request_ids))
+    # Serve writes each replica's access line as the answer ends: wait for them to land.
+    await wait_until(lambda: _both_ingress_replicas_logged(request_ids), timeout_s=30,
+                     what="the requests logged by both ingress replicas")
+    refilled = math.floor((time.monotonic() - started) * REQUESTS_PER_MINUTE / 60)
+    statuses = sorted(r.status_code for r in responses)
+    admitted = statuses.count(200)
+    assert set(statuses) == {200, 429}, statuses
+    # Each replica alone would admit the whole limit: twice it, here.
+    assert REQUESTS_PER_MINUTE <= admitted <= REQUESTS_PER_MINUTE + refilled, statuses
+    refused = [r for r in responses if r.status_code == 429]
+    for response in refused:
+        error = response.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        assert "requests per minute" in error["message"] and "sk-e2e" not in response.text
+    retry_after = max(int(r.headers["retry-after"]) for r in refused)
+    assert 1 <= retry_after <= math.ceil(60 / REQUESTS_PER_MINUTE)
+    await asyncio.sleep(retry_after)  # what the server told the client to do
+    response = httpx.post(f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=key, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+async def _check_tokens_per_minute(app) -> None:
+    """Streams are charged the tokens they used (without sending the client a usage chunk it
+    did not ask for), and once a minute's tokens are spent the key waits."""
+    tokens_each = 300
+    async with httpx.AsyncClient(base_url=app.url, timeout=120, headers=bearer(LIMITED[1])) as client:
+        admitted, started = 0, time.monotonic()
+        while True:
+            stream = await post_stream(client, "/v1/chat/completions", chat(app.model, tokens_each, stream=True))
+            if stream.status != 200:
+                break
+            assert stream.done and not any("usage" in chunk for chunk in stream.chunks)
+            admitted += 1
+            available = TOKENS_PER_MINUTE * (1 + (time.monotonic() - started) / 60)
+            assert admitted <= available // tokens_each + 1, "streams were not charged their tokens"
+    assert stream.status == 429
+    # Each stream used its prompt and 300 tokens: 4 reach the limit (a 5th may start before the 4th is charged).
+    assert admitted >= math.ceil(TOKENS_PER_MINUTE / (tokens_each + 100)), admitted
+    retry_after = int(stream.headers["retry-after"])
+    assert retry_after >= 1
+    await asyncio.sleep(retry_after)  # what the server told the client to do
+    response = httpx.post(f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=bearer(LIMITED[1]),
+                          timeout=60)
+    assert response.status_code == 200, response.text

@@ -19,6 +19,7 @@ from serve_app.auth import APIKeys
 from serve_app.config import CORSConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
+from serve_app.rate_limits import KeyLimits
 from serve_app.router import ModelEntry, ModelRouter
 from serve_app.streaming import Reply
 
@@ -62,14 +63,16 @@ class FakeHandle:
     def __init__(self, calls: list[list[Any]]):
         self.calls = calls
         self.payloads: list[Any] = []
+        self.report_usage: list[bool] = []
         self.last: FakeResponses | None = None
 
     def __getattr__(self, method: str):
         handle = self
 
         class Method:
-            def remote(self, payload):
+            def remote(self, payload, report_usage=False):
                 handle.payloads.append(payload)
+                handle.report_usage.append(report_usage)
                 handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
                 return handle.last
 
@@ -85,6 +88,7 @@ def client_for(
     retry_s: float = 0.0,
     api_keys: APIKeys | None = None,
     cors: CORSConfig | None = None,
+    key_limits: KeyLimits | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -99,6 +103,7 @@ def client_for(
         unavailable_retry_s=retry_s,
         api_keys=api_keys,
         cors=cors,
+        key_limits=key_limits,
     )
     app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle

@@ -1,0 +1,213 @@
+"""Per-key rate limits: the ledger's arithmetic, the ingress's 429s, and token counting.
+
+The shared limiter is a Ray Serve deployment in the app; here a fake handle calls
+the same :class:`RateLedger` in process, with a clock the test moves. The real
+limiter, shared by two ingress replicas, is proven in tests/e2e/test_rollout.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from serve_app.auth import APIKeys
+from serve_app.config import AppConfig, ConfigError, parse_app_config
+from serve_app.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
+from serve_app.streaming import Reply, Usage, UsageTap, read_usage
+from tests.unit.test_http import CHAT, assert_openai_error, client_for
+
+KEYS = "sk-alpha-0123456789 sk-beta-0123456789"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# --- the ledger -------------------------------------------------------------------------------
+
+
+def test_a_key_bursts_to_its_requests_per_minute_then_waits_for_one_to_refill():
+    ledger = RateLedger(requests_per_minute=3, tokens_per_minute=None)
+    assert [ledger.admit("a", now=0.0).allowed for _ in range(3)] == [True, True, True]
+    refused = ledger.admit("a", now=0.0)
+    assert refused == Decision(False, "requests per minute", pytest.approx(20.0))
+    assert not ledger.admit("a", now=19.0).allowed
+    assert ledger.admit("a", now=20.0).allowed  # one request refilled after 60/3 s
+    assert ledger.admit("b", now=20.0).allowed  # another key has its own bucket
+
+
+def test_tokens_are_charged_after_the_answer_and_admission_waits_until_the_bucket_is_positive():
+    ledger = RateLedger(requests_per_minute=None, tokens_per_minute=600)  # 10 tokens/s
+    assert ledger.admit("a", now=0.0).allowed
+    ledger.charge("a", 700, now=0.0)  # an answer larger than what was left
+    refused = ledger.admit("a", now=0.0)
+    assert refused.limit == "tokens per minute" and refused.retry_after_s == pytest.approx(10.1)
+    assert not ledger.admit("a", now=10.0).allowed  # level 0: still empty
+    assert ledger.admit("a", now=10.2).allowed
+
+
+def test_token_debt_is_capped_at_one_bucket():
+    ledger = RateLedger(requests_per_minute=None, tokens_per_minute=60)
+    ledger.charge("a", 10_000, now=0.0)
+    assert ledger.admit("a", now=0.0).retry_after_s == pytest.approx(61.0)  # from -60 up to 1
+
+
+def test_the_longer_wait_of_two_limits_is_reported():
+    ledger = RateLedger(requests_per_minute=1, tokens_per_minute=60)
+    assert ledger.admit("a", now=0.0).allowed
+    ledger.charge("a", 90, now=0.0)
+    refused = ledger.admit("a", now=0.0)
+    assert refused.limit == "requests per minute" and refused.retry_after_s == pytest.approx(60.0)
+
+
+def test_idle_keys_are_forgotten_once_their_buckets_are_full():
+    ledger = RateLedger(requests_per_minute=60, tokens_per_minute=60)
+    ledger.admit("a", now=0.0)
+    ledger.charge("a", 30, now=0.0)
+    ledger.admit("b", now=100.0)  # a's buckets refilled long ago
+    assert set(ledger.requests) == {"b"} and set(ledger.tokens) == {"b"}
+
+
+def test_retry_after_is_whole_seconds_and_at_least_one():
+    assert rate_limited(Decision(False, "requests per minute", 0.2)).headers == {"Retry-After": "1"}
+    error = rate_limited(Decision(False, "tokens per minute", 7.01))
+    assert error.status == 429 and error.headers == {"Retry-After": "8"} and error.code == "rate_limit_exceeded"
+    assert "tokens per minute" in error.message
+
+
+# --- the ingress's side ----------------------------------------------------------------------
+
+
+class LedgerHandle:
+    """Stands in for the RateLimiter deployment's handle: calls a ledger in process."""
+
+    def __init__(self, ledger: RateLedger | None = None, fail: BaseException | None = None):
+        self.ledger, self.fail, self.now = ledger, fail, 0.0
+        self.charged: list[tuple[str, int]] = []
+        handle = self
+
+        class Call:
+            def __init__(self, name: str):
+                self.name = name
+
+            def remote(self, *args: Any) -> Any:
+                return handle.call(self.name, *args)
+
+        self.admit, self.charge = Call("admit"), Call("charge")
+
+    def call(self, name: str, *args: Any) -> Any:
+        handle = self
+
+        class Response:
+            def __await__(self):
+                return self.run().__await__()
+
+            async def run(self):
+                if handle.fail is not None:
+                    raise handle.fail
+                if name == "charge":
+                    handle.charged.append(args)
+                return getattr(handle.ledger, name)(*args, now=handle.now)
+
+            def cancel(self):
+                pass
+
+        return Response()
+
+
+def limited_client(items: list[Any], limiter: LedgerHandle, counts_tokens: bool = False, then=()):
+    keys = APIKeys("test keys", lambda: KEYS)
+    return client_for(items, api_keys=keys, key_limits=KeyLimits(limiter, counts_tokens), then=then)
+
+
+def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
+    limiter = LedgerHandle(RateLedger(requests_per_minute=2, tokens_per_minute=None))
+    client, handle = limited_client([Reply(200, b"{}")], limiter)
+    alpha, beta = bearer("sk-alpha-0123456789"), bearer("sk-beta-0123456789")
+    assert [client.post("/v1/chat/completions", json=CHAT, headers=alpha).status_code for _ in range(2)] == [200, 200]
+    refused = client.post("/v1/chat/completions", json=CHAT, headers=alpha)
+    error = assert_openai_error(refused, 429)
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    assert refused.headers["retry-after"] == "30"
+    assert client.post("/v1/chat/completions", json=CHAT, headers=beta).status_code == 200
+    assert len(handle.payloads) == 3  # the refused request never reached a replica
+    assert all(key_id not in KEYS and len(key_id) == 16 for key_id in limiter.ledger.requests)
+    limiter.now = 30.0
+    assert client.post("/v1/chat/completions", json=CHAT, headers=alpha).status_code == 200
+
+
+def test_an_unreachable_limiter_admits_requests():
+    client, _ = limited_client([Reply(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
+    assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789")).status_code == 200
+
+
+def test_unary_answers_are_charged_their_usage_and_replicas_asked_to_report_it():
+    limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=100))
+    client, handle = limited_client([Reply(200, b"{}", Usage(30, 90))], limiter, counts_tokens=True)
+    key = bearer("sk-alpha-0123456789")
+    assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200
+    assert handle.report_usage == [True]
+    assert [tokens for _, tokens in limiter.charged] == [120]
+    assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 429
+
+
+def test_a_streams_usage_item_is_charged_and_never_written():
+    limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=1000))
+    chunks = ['data: {"choices":[{"text":"a"}]}\n\n', "data: [DONE]\n\n", Usage(5, 7)]
+    client, _ = limited_client(chunks, limiter, counts_tokens=True)
+    body = {**CHAT, "stream": True}
+    response = client.post("/v1/chat/completions", json=body, headers=bearer("sk-alpha-0123456789"))
+    assert response.text == 'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
+    assert [tokens for _, tokens in limiter.charged] == [12]
+
+
+def test_without_token_limits_replicas_are_not_asked_for_usage():
+    limiter = LedgerHandle(RateLedger(requests_per_minute=10, tokens_per_minute=None))
+    client, handle = limited_client([Reply(200, b"{}", Usage(1, 1))], limiter)
+    client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789"))
+    assert handle.report_usage == [False] and limiter.charged == []
+
+
+# --- usage from vLLM's stream ----------------------------------------------------------------
+
+USAGE_CHUNK = 'data: {"id":"x","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}}\n\n'
+TOKEN_CHUNK = 'data: {"id":"x","choices":[{"index":0,"text":"hi"}]}\n\n'
+
+
+async def _tapped(tap: UsageTap) -> list[str]:
+    async def chunks():
+        for chunk in (TOKEN_CHUNK, USAGE_CHUNK, "data: [DONE]\n\n"):
+            yield chunk
+
+    return [chunk async for chunk in tap.tap(chunks())]
+
+
+def test_the_usage_chunk_is_taken_out_unless_the_client_asked_for_it():
+    unasked = UsageTap(client_asked=False)
+    assert asyncio.run(_tapped(unasked)) == [TOKEN_CHUNK, "data: [DONE]\n\n"]
+    assert unasked.usage == Usage(4, 6) and unasked.usage.total_tokens == 10
+    asked = UsageTap(client_asked=True)
+    assert asyncio.run(_tapped(asked)) == [TOKEN_CHUNK, USAGE_CHUNK, "data: [DONE]\n\n"]
+    assert asked.usage == Usage(4, 6)
+    assert read_usage("data: {not json") is None
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def config_with(ingress: dict[str, Any]) -> AppConfig:
+    model = {"name": "m", "engine_args": {"model": "x", "max_num_seqs": 4}}
+    return parse_app_config({"models": [model], "ingress": ingress})
+
+
+def test_rate_limits_need_api_keys_and_at_least_one_limit():
+    keys = {"env": "KEYS"}
+    assert config_with({"api_keys": keys, "rate_limits": {"requests_per_minute": 5}}).ingress.rate_limits
+    with pytest.raises(ConfigError, match="set ingress.api_keys"):
+        config_with({"rate_limits": {"requests_per_minute": 5}})
+    with pytest.raises(ConfigError, match="requests_per_minute, tokens_per_minute or both"):
+        config_with({"api_keys": keys, "rate_limits": {}})
+    with pytest.raises(ConfigError, match="one replica keeps"):
+        config_with({"api_keys": keys, "rate_limits": {"tokens_per_minute": 5, "deployment": {"num_replicas": 2}}})
