@@ -40,12 +40,20 @@ class Workload:
         return common | {"messages": [{"role": "user", "content": " ".join(["hello"] * self.input_tokens)}]}
 
 
-def output_text(event: dict[str, Any]) -> str:
-    """The text a chunk adds, for completions and chat chunks alike."""
-    text = ""
+def carries_tokens(event: dict[str, Any]) -> bool:
+    """Whether a chunk carries generated tokens, for completions and chat chunks alike.
+
+    Its text may be empty: a detokenizer holds back the bytes of an unfinished character
+    (often, with random weights), but the token was generated and sent. A chat stream's
+    first chunk, which only names the role, carries none.
+    """
     for choice in event.get("choices") or ():
-        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-    return text
+        if "text" in choice:
+            return True
+        delta = choice.get("delta")
+        if delta and "role" not in delta:
+            return True
+    return False
 
 
 async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
@@ -73,7 +81,7 @@ async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestR
                     return record
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]
-                if output_text(event):
+                if carries_tokens(event):
                     if record.ttft_s is None:
                         record.ttft_s = now - started
                     else:

@@ -33,6 +33,38 @@ async def timed_chat(client: httpx.AsyncClient, model: str, tokens: int) -> floa
     return time.monotonic() - start
 
 
+STREAMS = 16
+STREAM_TOKENS = 400  # a second or more of generation for 16 streams of the tiny model
+
+
+async def test_each_streams_first_token_arrives_while_generation_still_runs(app, one_replica):
+    """Streams are streamed, not delivered whole: no layer between engine and socket buffers them.
+
+    Sixteen equal streams start together and end together; each client, as soon as its
+    first token arrives, asks the engine how many requests it still holds. A layer that
+    held chunks back until an answer ended would make that count zero.
+    """
+    limits = httpx.Limits(max_connections=STREAMS)
+    async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
+        await in_flight_reaches_zero(one_replica, within_s=30.0)
+
+        async def one() -> int:
+            body = chat(app.model, max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS, stream=True)
+            in_flight_at_first_token = -1
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choices = json.loads(line[6:])["choices"]
+                    if choices and "role" not in choices[0]["delta"] and in_flight_at_first_token < 0:
+                        in_flight_at_first_token = await one_replica.in_flight.remote()
+            return in_flight_at_first_token
+
+        results = await asyncio.gather(*(one() for _ in range(STREAMS)))
+    assert all(count > 0 for count in results), results
+
+
 async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica):
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:

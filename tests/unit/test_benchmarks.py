@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.client import Workload, output_text
+from benchmarks.client import Workload, carries_tokens
 from benchmarks.load import Load, levels_from, parse_args
 from benchmarks.plot import plot_levels
 from benchmarks.records import RequestRecord, percentiles, summarize
@@ -48,10 +48,14 @@ def test_workload_asks_for_exact_lengths():
     assert chat.path() == "/v1/chat/completions" and "messages" in chat.body()
 
 
-def test_output_text_reads_completion_and_chat_chunks():
-    assert output_text({"choices": [{"text": "ab"}]}) == "ab"
-    assert output_text({"choices": [{"delta": {"content": "c"}}]}) == "c"
-    assert output_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+def test_chunks_carry_tokens_even_when_their_text_is_held_back():
+    assert carries_tokens({"choices": [{"text": "ab"}]})
+    assert carries_tokens({"choices": [{"text": ""}]})  # an unfinished character's bytes
+    assert carries_tokens({"choices": [{"delta": {"content": "c"}}]})
+    assert carries_tokens({"choices": [{"delta": {"content": ""}}]})
+    assert not carries_tokens({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert not carries_tokens({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    assert not carries_tokens({"choices": [], "usage": {"completion_tokens": 3}})
 
 
 def test_levels_default_to_enough_requests_per_level():
