@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from benchmarks.client import carries_tokens
+
 LONG = {"max_tokens": 900, "min_tokens": 900}  # seconds of generation for the tiny model
 
 
@@ -56,8 +58,7 @@ async def test_each_streams_first_token_arrives_while_generation_still_runs(app,
                 async for line in response.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    choices = json.loads(line[6:])["choices"]
-                    if choices and "role" not in choices[0]["delta"] and in_flight_at_first_token < 0:
+                    if in_flight_at_first_token < 0 and carries_tokens(json.loads(line[6:])):
                         in_flight_at_first_token = await one_replica.in_flight.remote()
             return in_flight_at_first_token
 
