@@ -252,6 +252,16 @@ class IngressConfig(_Strict):
         description="How long a request that no replica has started is sent again while replicas answer "
         "'unavailable' (an engine died, a replica is going away); then 503 with Retry-After.",
     )
+    log_requests: bool = Field(
+        default=True,
+        description="One JSON line per generation request in the ingress replica's log "
+        "(id, model, status, tokens, time to first token, duration).",
+    )
+    log_content: bool = Field(
+        default=False,
+        description="Also put each request's messages or prompt, and its completion, in that line. "
+        "They are users' data: off unless you need them.",
+    )
     deployment: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("deployment")

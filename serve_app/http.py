@@ -34,9 +34,12 @@ from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.config import CORSConfig
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import APIError, error_body, sse_error_event
+from serve_app.observability.record import ObserveRequests, Phase, RequestRecord
+from serve_app.observability.request_log import log_request
+from serve_app.observability.tracing import trace_context
 from serve_app.rate_limits import KeyLimits
 from serve_app.router import ModelRouter
-from serve_app.streaming import Reply, Usage
+from serve_app.streaming import Outcome, Reply
 from serve_app.validation import check_output_fits, decode_body, parse_request
 
 logger = logging.getLogger("ray.serve")
@@ -65,6 +68,10 @@ class HTTPSettings:
     api_keys: APIKeys | None = None  # None: no key needed
     key_limits: KeyLimits | None = None  # None: no per-key rate limits
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
+    # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
+    metrics: Any = None
+    log_requests: bool = True  # one structured line per generation request
+    log_content: bool = False  # ... with the prompt and the completion in it
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
@@ -110,15 +117,14 @@ def replica_failure(exc: BaseException) -> APIError:
 
 
 async def stream_sse(
-    first: str, rest: Any, deadline: Deadline, on_tokens: TokenCounter | None = None
+    first: str, rest: Any, deadline: Deadline, record: RequestRecord, on_tokens: TokenCounter | None = None
 ) -> AsyncIterator[str | bytes]:
     """Write a replica's SSE stream through; a failure after the start becomes a final error event.
 
-    With ``on_tokens``, the replica ends the stream with a :class:`Usage` (not written
-    out), and ``on_tokens`` is told its total; a stream cut short (the client left)
-    is counted as one token per event it was sent.
+    The replica ends the stream with an :class:`Outcome` (not written out), kept in
+    ``record``. With ``on_tokens``, it is told the answer's total tokens; a stream
+    cut short (the client left) is counted as one token per event it was sent.
     """
-    usage: Usage | None = None
     events = 0
     try:
         yield first
@@ -128,23 +134,25 @@ async def stream_sse(
                 chunk = await next_before(rest, deadline.end_at)
             except StopAsyncIteration:
                 break
-            if isinstance(chunk, Usage):
-                usage = chunk
+            if isinstance(chunk, Outcome):
+                record.outcome = chunk
                 continue
             events += chunk.count("data: ") if on_tokens else 0
             yield chunk
     except DeadlineExceeded:
         error = deadline.expired()
+        record.failed(error.status, error.code)
         yield sse_error_event(error.status, error.message, error.code)
     except TaskCancelledError:  # the client left; nobody reads an error event
         pass
     except Exception as exc:
         error = replica_failure(exc)
+        record.failed(error.status, error.code)
         yield sse_error_event(error.status, error.message, error.code)
     finally:
         rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
         if on_tokens is not None:
-            on_tokens(usage.total_tokens if usage is not None else events)
+            on_tokens(record.outcome.total_tokens if record.outcome is not None else events)
 
 
 async def relay(
@@ -152,6 +160,7 @@ async def relay(
     method: str,
     payload: BaseModel,
     deadline: Deadline,
+    record: RequestRecord,
     retry_s: float = 0.0,
     on_tokens: TokenCounter | None = None,
 ) -> Response:
@@ -175,8 +184,9 @@ async def relay(
             retry_until = min(asyncio.get_running_loop().time() + retry_s, first_by)
         return retry_until
 
+    record.enter(Phase.QUEUED)
     while True:
-        responses = getattr(handle, method).remote(payload, on_tokens is not None)
+        responses = getattr(handle, method).remote(payload, trace_context(record.span))
         try:
             first = await next_before(responses, first_by)
         except StopAsyncIteration:
@@ -197,14 +207,18 @@ async def relay(
         if isinstance(first, Reply) and first.status == 503 and await _before_retry(give_up_at()):
             continue
         break
+    record.enter(Phase.RUNNING)
     if isinstance(first, Reply):
-        if on_tokens is not None and first.usage is not None:
-            on_tokens(first.usage.total_tokens)
+        record.outcome = first.outcome
+        if on_tokens is not None and first.outcome is not None:
+            on_tokens(first.outcome.total_tokens)
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
         return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
     return StreamingResponse(
-        stream_sse(first, responses, deadline, on_tokens), media_type="text/event-stream", headers=SSE_HEADERS
+        stream_sse(first, responses, deadline, record, on_tokens),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
 
 
@@ -218,10 +232,16 @@ async def _before_retry(until: float) -> bool:
 
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     state = request.app.state
+    record: RequestRecord = request.state.record  # opened by ObserveRequests
+    record.key_id = getattr(request.state, "api_key_id", None)
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     body = decode_body(await read_body(request, state.settings.max_request_body_bytes))
     entry = state.router.route(body.get("model"))
+    record.model = entry.name
     payload = parse_request(endpoint.request_model, body)
+    record.request_id, record.stream = payload.request_id, bool(getattr(payload, "stream", False))
+    if record.keep_content:
+        record.request_body = body
     check_output_fits(body, entry.max_model_len)
     on_tokens = None
     if (limits := state.settings.key_limits) is not None:
@@ -229,7 +249,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
         await limits.admit(key_id)
         on_tokens = functools.partial(limits.charge, key_id) if limits.counts_tokens else None
     retry_s = state.settings.unavailable_retry_s
-    return await relay(entry.handle, endpoint.method, payload, deadline, retry_s, on_tokens)
+    return await relay(entry.handle, endpoint.method, payload, deadline, record, retry_s, on_tokens)
 
 
 def generation_route(endpoint: Endpoint) -> Route:
@@ -256,6 +276,8 @@ async def health(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    if (record := getattr(request.state, "record", None)) is not None:
+        record.error_code = exc.code
     return Response(exc.to_json(), exc.status, headers=exc.headers, media_type="application/json")
 
 
@@ -291,7 +313,8 @@ def build_http_app(
     endpoints: list[Endpoint] | None = None,
 ) -> Starlette:
     """The Starlette app the ingress deployment serves."""
-    routes = [generation_route(e) for e in endpoints or default_endpoints()]
+    endpoints = endpoints or default_endpoints()
+    routes = [generation_route(e) for e in endpoints]
     routes += [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -307,6 +330,18 @@ def build_http_app(
                 max_age=settings.cors.max_age_s,
             )
         )
+    # Inside CORS (a preflight is no request), outside API keys (a 401 is counted and logged).
+    observers = [settings.metrics.ended] if settings.metrics is not None else []
+    observers += [log_request] if settings.log_requests else []
+    middleware.append(
+        Middleware(
+            ObserveRequests,
+            paths={e.path: e.method for e in endpoints},
+            observers=observers,
+            on_phase=settings.metrics.moved if settings.metrics is not None else None,
+            keep_content=settings.log_content,
+        )
+    )
     if settings.api_keys is not None:
         middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
     app = Starlette(

@@ -19,6 +19,8 @@ from serve_app.auth import load_api_keys
 from serve_app.config import AppConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
+from serve_app.observability import tracing
+from serve_app.observability.metrics import ServingMetrics
 from serve_app.rate_limits import KeyLimits
 from serve_app.router import ModelEntry, ModelRouter
 
@@ -47,6 +49,7 @@ class Ingress:
     """Receives OpenAI-style HTTP requests and streams them to model replicas."""
 
     def __init__(self, config: AppConfig, handles: dict[str, Any], rate_limiter: Any = None) -> None:
+        tracing.configure_tracing()
         self.router = ModelRouter(
             {
                 # Streaming handles, made once: every call is answered by a generator.
@@ -67,6 +70,9 @@ class Ingress:
             api_keys=load_api_keys(config.ingress.api_keys),
             cors=config.ingress.cors,
             key_limits=key_limits(config, rate_limiter),
+            metrics=ServingMetrics(),
+            log_requests=config.ingress.log_requests,
+            log_content=config.ingress.log_content,
         )
         self.health_timeout_s = config.ingress.health_check_timeout_s
         self.deployments = {m.name: m.deployment_name for m in config.models}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -23,7 +24,8 @@ from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
-from serve_app.streaming import Reply, Usage, UsageTap, coalesce, end_on_error_event, is_error_event
+from serve_app.observability import tracing
+from serve_app.streaming import Outcome, OutcomeTap, Reply, coalesce, end_on_error_event, is_error_event
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,11 +47,14 @@ class ModelServer:
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from serve_app.glm4 import serving as glm4_serving
         from serve_app.glm4.format import check_dtype
 
         self.model_name = model.name
+        tracing.configure_tracing()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
         frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
         engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
@@ -60,6 +65,9 @@ class ModelServer:
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
+            # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
+            # with this replica's id). `disable_log_stats` only silences the periodic log line.
+            stat_loggers=[RayPrometheusStatLogger],
             disable_log_stats=engine_args.disable_log_stats,
         )
         # vLLM's serving objects read a flat namespace of front-end and engine
@@ -85,17 +93,42 @@ class ModelServer:
             "model %s ready (max_model_len=%d, stop_token_ids=%s)", model.name, self.max_model_len, stop_ids
         )
 
-    async def chat(self, request: Any, report_usage: bool = False) -> AsyncIterator[Reply | str | Usage]:
-        """Answer a validated ``ChatCompletionRequest``; with ``report_usage``, a stream ends in a :class:`Usage`."""
-        async for item in self._answer(self.chat_serving.create_chat_completion, request, report_usage):
+    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:
+        """Answer a validated ``ChatCompletionRequest``; ``trace_context`` continues the ingress's trace."""
+        async for item in self._answer("chat", self.chat_serving.create_chat_completion, request, trace_context):
             yield item
 
-    async def completion(self, request: Any, report_usage: bool = False) -> AsyncIterator[Reply | str | Usage]:
-        """Answer a validated ``CompletionRequest``; with ``report_usage``, a stream ends in a :class:`Usage`."""
-        async for item in self._answer(self.completion_serving.create_completion, request, report_usage):
+    async def completion(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:
+        """Answer a validated ``CompletionRequest``; ``trace_context`` continues the ingress's trace."""
+        async for item in self._answer(
+            "completion", self.completion_serving.create_completion, request, trace_context
+        ):
             yield item
 
-    async def _answer(self, create: Any, request: Any, report_usage: bool) -> AsyncIterator[Reply | str | Usage]:
+    async def _answer(
+        self, endpoint: str, create: Any, request: Any, trace_context: dict[str, str] | None
+    ) -> AsyncIterator[Answer]:
+        span = tracing.start_replica_span(
+            f"{endpoint} {self.model_name}",
+            trace_context,
+            {"gen_ai.request.model": self.model_name, "gen_ai.response.id": request.request_id,
+             "serve.replica_id": self.replica_id},
+        )
+        started = time.monotonic()
+        outcome: Outcome | None = None
+        first_at: float | None = None
+        try:
+            async for item in self._generate(create, request):
+                if isinstance(item, Outcome):
+                    outcome = item
+                elif first_at is None and isinstance(item, str):  # a stream's first chunk
+                    first_at = time.monotonic()
+                yield item
+        finally:
+            _close_replica_span(span, outcome, first_at - started if first_at is not None else None)
+
+    async def _generate(self, create: Any, request: Any) -> AsyncIterator[Answer]:
+        """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -104,7 +137,7 @@ class ModelServer:
         if self.engine.errored:
             yield _unavailable()
             return
-        usage_tap = _usage_tap(request) if report_usage and getattr(request, "stream", False) else None
+        tap = _outcome_tap(request) if getattr(request, "stream", False) else None
         try:
             result = await create(request)
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
@@ -115,12 +148,10 @@ class ModelServer:
                 result.error.code, result.error.message, result.error.param
             )
         elif isinstance(result, BaseModel):
-            usage = getattr(result, "usage", None)
-            counted = Usage(usage.prompt_tokens, usage.completion_tokens or 0) if usage is not None else None
-            yield Reply(200, result.model_dump_json().encode(), counted)
+            yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
         else:
-            chunks = usage_tap.tap(end_on_error_event(result)) if usage_tap else end_on_error_event(result)
-            async with aclosing(coalesce(chunks)) as stream:
+            assert tap is not None
+            async with aclosing(coalesce(tap.tap(end_on_error_event(result)))) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.engine.errored:
                     yield _unavailable()  # died before the first token: the stream never began
@@ -129,8 +160,8 @@ class ModelServer:
                     yield first
                 async for chunk in stream:
                     yield chunk
-            if usage_tap is not None and usage_tap.usage is not None:
-                yield usage_tap.usage
+            if tap.outcome is not None:
+                yield tap.outcome
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""
@@ -155,7 +186,10 @@ class ModelServer:
             engine.shutdown()
 
 
-def _usage_tap(request: Any) -> UsageTap:
+Answer = Reply | str | Outcome  # what a replica's generator yields (see serve_app.streaming)
+
+
+def _outcome_tap(request: Any) -> OutcomeTap:
     """Turn the usage chunk on for a stream, remembering whether its client asked for it."""
     from vllm.entrypoints.generate.base.protocol import StreamOptions
 
@@ -163,7 +197,31 @@ def _usage_tap(request: Any) -> UsageTap:
     client_asked = bool(options and options.include_usage)
     if not client_asked:  # (continuous usage has no effect without include_usage: keep it off)
         request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=False)
-    return UsageTap(client_asked)
+    return OutcomeTap(client_asked)
+
+
+def _outcome_of(result: BaseModel) -> Outcome | None:
+    usage = getattr(result, "usage", None)
+    if usage is None:
+        return None
+    reasons = tuple(c.finish_reason for c in getattr(result, "choices", ()) if getattr(c, "finish_reason", None))
+    return Outcome(usage.prompt_tokens, usage.completion_tokens or 0, reasons)
+
+
+def _close_replica_span(span: Any, outcome: Outcome | None, ttft_s: float | None) -> None:
+    if not span.is_recording():
+        return
+    if ttft_s is not None:
+        span.set_attribute("llm.time_to_first_token_s", ttft_s)
+    if outcome is not None:
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": outcome.prompt_tokens,
+                "gen_ai.usage.output_tokens": outcome.completion_tokens,
+                "gen_ai.response.finish_reasons": list(outcome.finish_reasons),
+            }
+        )
+    span.end()
 
 
 def _unavailable() -> Reply:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serve_app.errors import error_body
 
@@ -26,14 +27,17 @@ _ERROR_EVENT_PREFIX = 'data: {"error"'
 
 
 @dataclass(frozen=True)
-class Usage:
-    """Tokens an answer used, reported by the replica for per-key token limits.
+class Outcome:
+    """How an answer ended: its tokens and finish reasons, for token limits, metrics and logs.
 
-    A stream's last generator item when the ingress asked for it; never written to the client.
+    Every stream's last generator item, never written to the client; a unary
+    :class:`Reply` carries it. ``finish_reasons`` has one entry per choice that
+    finished (``stop``, ``length``, ``tool_calls``, ...).
     """
 
     prompt_tokens: int
     completion_tokens: int
+    finish_reasons: tuple[str, ...] = ()
 
     @property
     def total_tokens(self) -> int:
@@ -46,7 +50,7 @@ class Reply:
 
     status: int
     body: bytes
-    usage: Usage | None = None
+    outcome: Outcome | None = None
 
     @classmethod
     def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
@@ -144,33 +148,45 @@ def normalize_error_event(chunk: str) -> str:
 
 
 _USAGE_CHUNK_MARK = '"choices":[]'  # vLLM's final usage chunk, and no other chunk, has no choices
+_FINISH_MARK = '"finish_reason":"'  # only a choice that finished has a string here (others: null)
+_FINISH_REASON = re.compile(r'"finish_reason":"([a-z_]+)"')
 
 
 @dataclass
-class UsageTap:
-    """Takes the final usage chunk out of a vLLM stream, keeping it for the client only if it asked.
+class OutcomeTap:
+    """Reads how a vLLM stream ended as it passes: the usage chunk and the finish reasons.
 
-    The replica turns ``stream_options.include_usage`` on when the ingress needs the
-    counts (per-key token limits); a client that did not ask for the usage chunk
-    must not receive it. The cost per chunk is one substring search.
+    The replica turns ``stream_options.include_usage`` on for every stream; a client
+    that did not ask for the usage chunk does not receive it. The cost per chunk is
+    two substring searches.
     """
 
-    client_asked: bool
-    usage: Usage | None = None
+    client_asked_usage: bool
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
 
     async def tap(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
+            if _FINISH_MARK in chunk:
+                self.finish_reasons.extend(_FINISH_REASON.findall(chunk))
             if _USAGE_CHUNK_MARK in chunk and '"usage"' in chunk:
-                self.usage = read_usage(chunk) or self.usage
-                if not self.client_asked:
+                self._read_usage(chunk)
+                if not self.client_asked_usage:
                     continue
             yield chunk
 
+    def _read_usage(self, chunk: str) -> None:
+        try:
+            usage = json.loads(chunk[len("data: ") :])["usage"]
+            self.prompt_tokens = int(usage["prompt_tokens"])
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        except (ValueError, KeyError, TypeError):
+            pass
 
-def read_usage(chunk: str) -> Usage | None:
-    """The usage of one ``data: {...}`` event, or None if it has none."""
-    try:
-        usage = json.loads(chunk[len("data: ") :])["usage"]
-        return Usage(int(usage["prompt_tokens"]), int(usage.get("completion_tokens") or 0))
-    except (ValueError, KeyError, TypeError):
-        return None
+    @property
+    def outcome(self) -> Outcome | None:
+        """None until the usage chunk has passed (a stream cut short has none)."""
+        if self.prompt_tokens is None:
+            return None
+        return Outcome(self.prompt_tokens, self.completion_tokens, tuple(self.finish_reasons))

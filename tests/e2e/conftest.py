@@ -3,7 +3,8 @@
 The app is started exactly as a user starts it: ``serve run`` on the embedded
 default config ``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny
 GLM-4 model), with only the HTTP port changed so tests never collide with a
-server a developer left running.
+server a developer left running, and the standard OpenTelemetry variables set
+in its ``runtime_env`` so its replicas export traces to the tests' collector.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from tests.e2e.telemetry import OTLPCollector
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "deploy" / "config.cpu.yaml"
@@ -77,10 +80,20 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def app(tmp_path_factory) -> RunningApp:
+def otlp_collector():
+    collector = OTLPCollector()
+    yield collector
+    collector.close()
+
+
+@pytest.fixture(scope="session")
+def app(tmp_path_factory, otlp_collector) -> RunningApp:
     config = yaml.safe_load(CONFIG.read_text())
     port = free_port()
     config["http_options"]["port"] = port
+    env_vars = config["applications"][0].setdefault("runtime_env", {}).setdefault("env_vars", {})
+    env_vars["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_collector.endpoint
+    env_vars["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms between span batches (default 5 s)
     workdir = tmp_path_factory.mktemp("serve")
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -116,6 +129,15 @@ def cluster(app):
     context = ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
     yield f"http://{context.dashboard_url}"
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(cluster) -> str:
+    """Ray's Prometheus endpoint on the app's (one-node) cluster."""
+    import ray
+
+    [node] = [n for n in ray.nodes() if n["Alive"]]
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 @pytest.fixture(scope="session")

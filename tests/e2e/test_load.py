@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from benchmarks.client import carries_tokens
+from serve_app.observability import metrics
+from tests.e2e.telemetry import scrape, total, wait_until
 
 LONG = {"max_tokens": 900, "min_tokens": 900}  # seconds of generation for the tiny model
 
@@ -66,7 +68,12 @@ async def test_each_streams_first_token_arrives_while_generation_still_runs(app,
     assert all(count > 0 for count in results), results
 
 
-async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica):
+def counted(metrics_url: str, name: str, **labels: str) -> float:
+    return total(scrape(metrics_url), f"ray_{name}_total", **labels)
+
+
+async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica, metrics_url):
+    aborted_before = counted(metrics_url, metrics.ABORTED, model=app.model)
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
         await in_flight_reaches_zero(one_replica, within_s=30.0)  # nothing left from earlier tests
@@ -104,6 +111,13 @@ async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica):
     # "As fast as before" is the engine having nothing else to run (checked above);
     # the times are figures to read, not assertions that flake on a shared machine.
     print(f"aborted {running} streams in {took:.3f} s; 32-token request before {before:.3f} s, after {after:.3f} s")
+    # The ones still in the engine when the clients left, at least, are counted as aborted.
+    wait_until(
+        lambda: counted(metrics_url, metrics.ABORTED, model=app.model) - aborted_before >= running,
+        within_s=60,
+        what=f"the aborted-requests counter grows by {running} or more",
+    )
+    assert counted(metrics_url, metrics.ABORTED, model=app.model) - aborted_before <= 16
 
 
 async def test_stream_past_its_time_limit_ends_with_an_error_event_and_is_aborted(app, one_replica):
@@ -138,7 +152,8 @@ BURST_TOKENS = 8
 
 
 @pytest.mark.disruptive  # it scales the deployment out
-async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, one_replica):
+async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, one_replica, metrics_url):
+    rejected_before = counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded")
     limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
     async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
 
@@ -164,3 +179,13 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, o
               f"slowest 429 {max(t for t, _ in refused):.2f} s, slowest answer {max(done):.2f} s")
         await in_flight_reaches_zero(one_replica, within_s=5.0)
         assert await timed_chat(client, app.model, 8) > 0  # answers normally right after
+    # Every 429 the clients saw is counted as rejected because the queue was full.
+    wait_until(
+        lambda: counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded") - rejected_before
+        >= len(refused),
+        within_s=60,
+        what=f"the rejected-requests counter grows by {len(refused)}",
+    )
+    assert counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded") - rejected_before == len(
+        refused
+    )

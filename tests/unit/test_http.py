@@ -63,16 +63,16 @@ class FakeHandle:
     def __init__(self, calls: list[list[Any]]):
         self.calls = calls
         self.payloads: list[Any] = []
-        self.report_usage: list[bool] = []
+        self.trace_contexts: list[dict[str, str] | None] = []
         self.last: FakeResponses | None = None
 
     def __getattr__(self, method: str):
         handle = self
 
         class Method:
-            def remote(self, payload, report_usage=False):
+            def remote(self, payload, trace_context=None):
                 handle.payloads.append(payload)
-                handle.report_usage.append(report_usage)
+                handle.trace_contexts.append(trace_context)
                 handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
                 return handle.last
 
@@ -89,6 +89,8 @@ def client_for(
     api_keys: APIKeys | None = None,
     cors: CORSConfig | None = None,
     key_limits: KeyLimits | None = None,
+    metrics: Any = None,
+    log_content: bool = False,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -104,6 +106,8 @@ def client_for(
         api_keys=api_keys,
         cors=cors,
         key_limits=key_limits,
+        metrics=metrics,
+        log_content=log_content,
     )
     app = build_http_app(router, settings, health_check)
     return TestClient(app, raise_server_exceptions=False), handle

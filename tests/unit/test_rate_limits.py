@@ -15,7 +15,7 @@ import pytest
 from serve_app.auth import APIKeys
 from serve_app.config import AppConfig, ConfigError, parse_app_config
 from serve_app.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
-from serve_app.streaming import Reply, Usage, UsageTap, read_usage
+from serve_app.streaming import Outcome, OutcomeTap, Reply
 from tests.unit.test_http import CHAT, assert_openai_error, client_for
 
 KEYS = "sk-alpha-0123456789 sk-beta-0123456789"
@@ -143,19 +143,18 @@ def test_an_unreachable_limiter_admits_requests():
     assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789")).status_code == 200
 
 
-def test_unary_answers_are_charged_their_usage_and_replicas_asked_to_report_it():
+def test_unary_answers_are_charged_their_usage():
     limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=100))
-    client, handle = limited_client([Reply(200, b"{}", Usage(30, 90))], limiter, counts_tokens=True)
+    client, handle = limited_client([Reply(200, b"{}", Outcome(30, 90))], limiter, counts_tokens=True)
     key = bearer("sk-alpha-0123456789")
     assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200
-    assert handle.report_usage == [True]
     assert [tokens for _, tokens in limiter.charged] == [120]
     assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 429
 
 
 def test_a_streams_usage_item_is_charged_and_never_written():
     limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=1000))
-    chunks = ['data: {"choices":[{"text":"a"}]}\n\n', "data: [DONE]\n\n", Usage(5, 7)]
+    chunks = ['data: {"choices":[{"text":"a"}]}\n\n', "data: [DONE]\n\n", Outcome(5, 7)]
     client, _ = limited_client(chunks, limiter, counts_tokens=True)
     body = {**CHAT, "stream": True}
     response = client.post("/v1/chat/completions", json=body, headers=bearer("sk-alpha-0123456789"))
@@ -163,35 +162,45 @@ def test_a_streams_usage_item_is_charged_and_never_written():
     assert [tokens for _, tokens in limiter.charged] == [12]
 
 
-def test_without_token_limits_replicas_are_not_asked_for_usage():
+def test_without_token_limits_nothing_is_charged():
     limiter = LedgerHandle(RateLedger(requests_per_minute=10, tokens_per_minute=None))
-    client, handle = limited_client([Reply(200, b"{}", Usage(1, 1))], limiter)
+    client, handle = limited_client([Reply(200, b"{}", Outcome(1, 1))], limiter)
     client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789"))
-    assert handle.report_usage == [False] and limiter.charged == []
+    assert len(handle.payloads) == 1 and limiter.charged == []
 
 
 # --- usage from vLLM's stream ----------------------------------------------------------------
 
 USAGE_CHUNK = 'data: {"id":"x","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":6,"total_tokens":10}}\n\n'
-TOKEN_CHUNK = 'data: {"id":"x","choices":[{"index":0,"text":"hi"}]}\n\n'
+TOKEN_CHUNK = 'data: {"id":"x","choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'
+LAST_CHUNK = 'data: {"id":"x","choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\n'
 
 
-async def _tapped(tap: UsageTap) -> list[str]:
-    async def chunks():
-        for chunk in (TOKEN_CHUNK, USAGE_CHUNK, "data: [DONE]\n\n"):
+async def _tapped(tap: OutcomeTap, chunks: tuple[str, ...]) -> list[str]:
+    async def stream():
+        for chunk in chunks:
             yield chunk
 
-    return [chunk async for chunk in tap.tap(chunks())]
+    return [chunk async for chunk in tap.tap(stream())]
 
 
 def test_the_usage_chunk_is_taken_out_unless_the_client_asked_for_it():
-    unasked = UsageTap(client_asked=False)
-    assert asyncio.run(_tapped(unasked)) == [TOKEN_CHUNK, "data: [DONE]\n\n"]
-    assert unasked.usage == Usage(4, 6) and unasked.usage.total_tokens == 10
-    asked = UsageTap(client_asked=True)
-    assert asyncio.run(_tapped(asked)) == [TOKEN_CHUNK, USAGE_CHUNK, "data: [DONE]\n\n"]
-    assert asked.usage == Usage(4, 6)
-    assert read_usage("data: {not json") is None
+    chunks = (TOKEN_CHUNK, LAST_CHUNK, USAGE_CHUNK, "data: [DONE]\n\n")
+    unasked = OutcomeTap(client_asked_usage=False)
+    assert asyncio.run(_tapped(unasked, chunks)) == [TOKEN_CHUNK, LAST_CHUNK, "data: [DONE]\n\n"]
+    assert unasked.outcome == Outcome(4, 6, ("length",)) and unasked.outcome.total_tokens == 10
+    asked = OutcomeTap(client_asked_usage=True)
+    assert asyncio.run(_tapped(asked, chunks)) == list(chunks)
+    assert asked.outcome == Outcome(4, 6, ("length",))
+
+
+def test_a_stream_cut_short_or_with_a_broken_usage_chunk_has_no_outcome():
+    cut = OutcomeTap(client_asked_usage=False)
+    asyncio.run(_tapped(cut, (TOKEN_CHUNK,)))
+    assert cut.outcome is None
+    broken = OutcomeTap(client_asked_usage=False)
+    asyncio.run(_tapped(broken, (TOKEN_CHUNK, 'data: {"choices":[],"usage":{"prompt_tokens":"x"}}\n\n')))
+    assert broken.outcome is None
 
 
 # --- configuration ---------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""The serving layer's metrics, through Ray Serve's metrics API.
+
+Ray exports them on every node's Prometheus endpoint (port 8080 with ``make serve``
+and on KubeRay pods) with the prefix ``ray_``, and Ray Serve adds the tags
+``application``, ``deployment`` and ``replica`` (here: the ingress replica that
+measured). Each metric also carries the ``model`` it is about. They are measured
+where the client's view is: in the ingress, from the moment a request arrives
+to the moment its last byte is written, so they include queueing in Serve's
+router and in the engine. vLLM's own engine metrics (``ray_vllm:*``, one series
+per model replica) come from :mod:`serve_app.model_server`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from typing import Any
+
+from serve_app.observability.record import Phase, RequestRecord
+
+# Names as exported (Ray adds the "ray_" prefix); the dashboard test reads them from here.
+TIME_TO_FIRST_TOKEN = "glm4_serve_time_to_first_token_seconds"
+TIME_PER_OUTPUT_TOKEN = "glm4_serve_time_per_output_token_seconds"
+E2E_LATENCY = "glm4_serve_e2e_request_latency_seconds"
+PROMPT_TOKENS = "glm4_serve_prompt_tokens"
+COMPLETION_TOKENS = "glm4_serve_completion_tokens"
+REQUESTS = "glm4_serve_requests"
+REJECTED = "glm4_serve_rejected_requests"
+ABORTED = "glm4_serve_aborted_requests"
+QUEUED = "glm4_serve_requests_queued"
+RUNNING = "glm4_serve_requests_running"
+
+TTFT_BUCKETS_S = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160]
+TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5]
+E2E_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900, 1800]
+
+
+class ServingMetrics:
+    """Records every generation request once it ends, and keeps the queued and running gauges.
+
+    Created in each ingress replica (Ray's metrics need a running Ray worker).
+    """
+
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter, Gauge, Histogram
+
+        model = ("model",)
+        self.ttft = Histogram(
+            TIME_TO_FIRST_TOKEN,
+            "Streams: from request arrival to the first token written to the client.",
+            boundaries=TTFT_BUCKETS_S,
+            tag_keys=model,
+        )
+        self.tpot = Histogram(
+            TIME_PER_OUTPUT_TOKEN,
+            "Streams: time per output token after the first, as the client receives them.",
+            boundaries=TPOT_BUCKETS_S,
+            tag_keys=model,
+        )
+        self.e2e = Histogram(
+            E2E_LATENCY,
+            "Successful answers: from request arrival to the last byte written.",
+            boundaries=E2E_BUCKETS_S,
+            tag_keys=model,
+        )
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of answered requests.", tag_keys=model)
+        self.completion_tokens = Counter(COMPLETION_TOKENS, "Tokens generated for clients.", tag_keys=model)
+        self.requests = Counter(
+            REQUESTS,
+            "Generation requests by final HTTP status (a stream ended by an error event counts under"
+            " that error's status; 499: the client left) and finish reason.",
+            tag_keys=("model", "endpoint", "status", "finish_reason"),
+        )
+        self.rejected = Counter(
+            REJECTED, "Requests answered 429: queue full (overloaded) or a key's rate limit.", tag_keys=("model", "reason")
+        )
+        self.aborted = Counter(
+            ABORTED, "Requests whose client left before the answer ended; generation was aborted.",
+            tag_keys=("model", "phase"),
+        )
+        self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=model)
+        self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=model)
+        self._in_phase: Tally[tuple[str, Phase]] = Tally()
+
+    def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
+        """Keep the gauges: called by a record on each change of phase once it has a model."""
+        model = record.model or ""
+        for phase, change in ((old, -1), (new, 1)):
+            gauge = self._gauge(phase)
+            if gauge is not None:
+                self._in_phase[model, phase] += change
+                gauge.set(self._in_phase[model, phase], tags={"model": model})
+
+    def _gauge(self, phase: Phase) -> Any:
+        return {Phase.QUEUED: self.queued, Phase.RUNNING: self.running}.get(phase)
+
+    def ended(self, record: RequestRecord) -> None:
+        """Count a request that has ended, whatever its end."""
+        model = {"model": record.model or "unknown"}
+        self.requests.inc(
+            tags=model
+            | {"endpoint": record.endpoint, "status": str(record.status), "finish_reason": record.finish_reason or ""}
+        )
+        if record.status == 429:
+            self.rejected.inc(tags=model | {"reason": record.error_code or "overloaded"})
+        if record.aborted:
+            self.aborted.inc(tags=model | {"phase": "streaming" if record.first_byte_at else "waiting"})
+        if record.outcome is not None:
+            self.prompt_tokens.inc(record.outcome.prompt_tokens, tags=model)
+            self.completion_tokens.inc(record.outcome.completion_tokens, tags=model)
+        if (ttft := record.ttft_s) is not None:
+            self.ttft.observe(ttft, tags=model)
+            if (tpot := record.tpot_s) is not None:
+                self.tpot.observe(tpot, tags=model)
+        if record.status == 200 and not record.aborted and (duration := record.duration_s) is not None:
+            self.e2e.observe(duration, tags=model)
+
+
+def exported_names() -> set[str]:
+    """Every sample name these metrics have in Prometheus text, as Ray exports them."""
+    histograms = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
+    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED)
+    names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
+    names |= {f"ray_{c}_total" for c in counters}
+    return names | {f"ray_{QUEUED}", f"ray_{RUNNING}"}

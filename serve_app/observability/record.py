@@ -1,0 +1,189 @@
+"""RequestRecord: what one generation request did, filled in as it happens.
+
+:class:`ObserveRequests` (ASGI middleware) opens a record when a generation
+request arrives and closes it when its last byte is written or its client
+leaves; in between the handler and the stream relay fill in the model, the
+request id, the outcome the replica reported and any error. When the record
+closes, the same facts become the metrics, the request's log line and its span
+attributes, so the three never disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve_app.observability import tracing
+from serve_app.streaming import Outcome
+
+CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
+
+
+class Phase(enum.Enum):
+    RECEIVED = "received"  # being read, validated, routed
+    QUEUED = "queued"  # sent to a model replica, no first token yet
+    RUNNING = "running"  # the answer is being written
+    ENDED = "ended"
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    endpoint: str  # "chat" or "completion"
+    started_at: float = field(default_factory=time.monotonic)
+    model: str | None = None  # set once routed; never a client's unknown model name
+    request_id: str | None = None
+    key_id: str | None = None  # hashed API key, when keys are configured
+    stream: bool = False
+    phase: Phase = Phase.RECEIVED
+    status: int | None = None
+    error_code: str | None = None
+    first_byte_at: float | None = None
+    ended_at: float | None = None
+    completed: bool = False  # the last byte was written
+    outcome: Outcome | None = None
+    span: Any = None
+    on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None
+    # Only when content logging is on: the request's body and the answer's bytes.
+    keep_content: bool = False
+    request_body: dict[str, Any] | None = None
+    response_bytes: list[bytes] = field(default_factory=list)
+
+    def enter(self, phase: Phase) -> None:
+        old, self.phase = self.phase, phase
+        if self.on_phase is not None and self.model is not None and old is not phase:
+            self.on_phase(self, old, phase)
+
+    def failed(self, status: int, code: str | None) -> None:
+        """The answer is an error (before or during the stream)."""
+        self.status, self.error_code = status, code
+
+    @property
+    def aborted(self) -> bool:
+        return self.status == CLIENT_GONE
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = self.outcome.finish_reasons if self.outcome else ()
+        return reasons[0] if reasons else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Streams only: a whole answer's first byte is its last token."""
+        if not self.stream or self.first_byte_at is None:
+            return None
+        return self.first_byte_at - self.started_at
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.ended_at is None else self.ended_at - self.started_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, as vLLM defines it; None with fewer than two tokens."""
+        tokens = self.outcome.completion_tokens if self.outcome else 0
+        if tokens < 2 or self.ttft_s is None or self.ended_at is None or not self.completed:
+            return None
+        return (self.ended_at - self.first_byte_at) / (tokens - 1)
+
+
+Observer = Callable[[RequestRecord], None]
+
+
+class ObserveRequests:
+    """ASGI middleware: a :class:`RequestRecord` and a span for each request to ``paths``.
+
+    The record is at ``request.state.record`` for the handlers. Its status is the
+    one written to the client, unless the handler marked the answer failed
+    mid-stream; a response that never finished is a client that left.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        paths: dict[str, str],
+        observers: list[Observer],
+        on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None,
+        keep_content: bool = False,
+    ) -> None:
+        self.app = app
+        self.paths = paths  # path -> endpoint name
+        self.observers = observers
+        self.on_phase = on_phase
+        self.keep_content = keep_content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        observed = scope["type"] == "http" and scope.get("method") == "POST"
+        endpoint = self.paths.get(scope.get("path", "")) if observed else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(endpoint, on_phase=self.on_phase, keep_content=self.keep_content)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        record.span = tracing.start_request_span(
+            f"{scope.get('method', 'POST')} {scope['path']}",
+            headers,
+            {"http.request.method": scope.get("method", "POST"), "url.path": scope["path"]},
+        )
+        scope.setdefault("state", {})["record"] = record
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                if record.status is None:
+                    record.status = message["status"]
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if body and record.first_byte_at is None:
+                    record.first_byte_at = time.monotonic()
+                if record.keep_content and body:
+                    record.response_bytes.append(body)
+                if not message.get("more_body", False):
+                    record.completed = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        except asyncio.CancelledError:  # Serve cancels a request whose client left
+            raise
+        except Exception:
+            if record.status is None:
+                record.status = 500
+            raise
+        finally:
+            record.ended_at = time.monotonic()
+            if not record.completed and record.status != 500:
+                record.status = CLIENT_GONE
+            record.enter(Phase.ENDED)
+            for observe in self.observers:
+                observe(record)
+            close_span(record)
+
+
+def close_span(record: RequestRecord) -> None:
+    """End the ingress span with the request's facts as attributes (OpenTelemetry's names where they exist)."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span = record.span
+    if span is None or not span.is_recording():
+        return
+    attributes: dict[str, Any] = {"http.response.status_code": record.status or 0, "llm.stream": record.stream}
+    optional = {
+        "gen_ai.request.model": record.model,
+        "gen_ai.response.id": record.request_id,
+        "llm.time_to_first_token_s": record.ttft_s,
+        "error.type": record.error_code,
+    }
+    if record.outcome is not None:
+        optional["gen_ai.usage.input_tokens"] = record.outcome.prompt_tokens
+        optional["gen_ai.usage.output_tokens"] = record.outcome.completion_tokens
+        optional["gen_ai.response.finish_reasons"] = list(record.outcome.finish_reasons)
+    attributes |= {name: value for name, value in optional.items() if value is not None}
+    span.set_attributes(attributes)
+    if record.status is not None and record.status >= 500 and not record.aborted:
+        span.set_status(Status(StatusCode.ERROR, record.error_code or str(record.status)))
+    span.end()

@@ -1,0 +1,124 @@
+"""Reading the app's telemetry from outside, as an operator's tools do.
+
+:class:`OTLPCollector` is a minimal OTLP/HTTP trace receiver (what an
+OpenTelemetry Collector listens with on port 4318): the replicas export their
+spans to it over the network and it keeps them in memory for the tests.
+:func:`scrape` reads Ray's Prometheus endpoint.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict[str, Any]
+
+
+class OTLPCollector:
+    """Receives ``POST /v1/traces`` (OTLP protobuf) on 127.0.0.1 and keeps every span."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self._lock = threading.Lock()
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                collector._receive(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def _receive(self, body: bytes) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        request = ExportTraceServiceRequest.FromString(body)
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    received.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                        )
+                    )
+        with self._lock:
+            self.spans.extend(received)
+
+    def trace(self, trace_id: str) -> list[ReceivedSpan]:
+        with self._lock:
+            return [span for span in self.spans if span.trace_id == trace_id]
+
+    def close(self) -> None:
+        self._server.shutdown()
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of a Prometheus text endpoint, keyed by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: Samples = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (over replicas, buckets ...)."""
+    wanted = set(labels.items())
+    return sum(value for (sample, have), value in samples.items() if sample == name and wanted <= have)
+
+
+def wait_until(condition: Callable[[], Any], within_s: float, what: str) -> Any:
+    """Poll ``condition`` until it returns something true; fail naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s} s: {what}")
+        time.sleep(0.5)  # poll interval: Ray's metrics agent publishes every few seconds

@@ -1,0 +1,112 @@
+"""Observability of the real app: metrics read back from Ray's Prometheus endpoint, traces
+received over OTLP from both deployments, and the Grafana dashboard's queries.
+
+The 429 and abort counters are checked where those events are caused anyway:
+tests/e2e/test_load.py's burst and abandoned-stream tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import httpx
+
+from serve_app.observability import metrics
+from tests.e2e.telemetry import scrape, total, wait_until
+from tests.unit.test_k8s_monitoring import DASHBOARD, dashboard_metrics
+
+TOKENS = 16
+STREAMS = 4
+
+
+def body(model: str, **extra) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count to twenty."}],
+        "max_tokens": TOKENS,
+        "min_tokens": TOKENS,
+    } | extra
+
+
+def serving(samples, name: str, model: str, **labels: str) -> float:
+    return total(samples, f"ray_{name}", model=model, **labels)
+
+
+async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
+    before = scrape(metrics_url)
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        streams = [client.post("/v1/chat/completions", json=body(app.model, stream=True)) for _ in range(STREAMS)]
+        responses = await asyncio.gather(*streams, client.post("/v1/chat/completions", json=body(app.model)))
+    assert [r.status_code for r in responses] == [200] * (STREAMS + 1)
+    prompt_tokens = responses[-1].json()["usage"]["prompt_tokens"]
+
+    def grew_by(samples, name: str, **labels: str) -> float:
+        return serving(samples, name, app.model, **labels) - serving(before, name, app.model, **labels)
+
+    expected = {
+        (metrics.TIME_TO_FIRST_TOKEN + "_count", ()): STREAMS,
+        (metrics.TIME_PER_OUTPUT_TOKEN + "_count", ()): STREAMS,
+        (metrics.E2E_LATENCY + "_count", ()): STREAMS + 1,
+        (metrics.COMPLETION_TOKENS + "_total", ()): (STREAMS + 1) * TOKENS,
+        (metrics.PROMPT_TOKENS + "_total", ()): (STREAMS + 1) * prompt_tokens,
+        (metrics.REQUESTS + "_total", (("status", "200"), ("finish_reason", "length"))): STREAMS + 1,
+    }
+
+    def counted():
+        samples = scrape(metrics_url)
+        grown = {key: grew_by(samples, key[0], **dict(key[1])) for key in expected}
+        return samples if all(grown[key] >= want for key, want in expected.items()) else None
+
+    samples = wait_until(counted, within_s=60, what=f"serving metrics grow by {expected}")
+    for name in (metrics.TIME_TO_FIRST_TOKEN, metrics.TIME_PER_OUTPUT_TOKEN, metrics.E2E_LATENCY):
+        count = serving(samples, name + "_count", app.model)
+        assert serving(samples, name + "_bucket", app.model, le="+Inf") == count
+        assert serving(samples, name + "_sum", app.model) > 0
+    for gauge in (metrics.QUEUED, metrics.RUNNING):
+        assert any(name == f"ray_{gauge}" for name, _ in samples), gauge
+    # vLLM's own engine metrics, one series per model replica.
+    engine = [labels for name, labels in samples if name == "ray_vllm_generation_tokens_total"]
+    assert engine and all(dict(labels).get("ReplicaId") for labels in engine)
+    assert total(samples, "ray_vllm_generation_tokens_total") >= (STREAMS + 1) * TOKENS
+
+
+async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(app, otlp_collector):
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        response = await client.post("/v1/chat/completions", json=body(app.model, stream=True), headers=headers)
+    assert response.status_code == 200
+
+    def both():
+        names = {span.name: span for span in otlp_collector.trace(trace_id)}
+        return names if {"POST /v1/chat/completions", f"chat {app.model}"} <= set(names) else None
+
+    spans = wait_until(both, within_s=30, what=f"ingress and replica spans of trace {trace_id}")
+    ingress, replica = spans["POST /v1/chat/completions"], spans[f"chat {app.model}"]
+    assert ingress.parent_span_id == client_span
+    assert replica.parent_span_id == ingress.span_id
+    assert {ingress.service, replica.service} == {"glm4-serve"}
+    assert ingress.attributes["http.response.status_code"] == 200
+    assert f'"id":"chatcmpl-{ingress.attributes["gen_ai.response.id"]}"' in response.text
+    assert replica.attributes["gen_ai.usage.output_tokens"] == TOKENS
+    assert replica.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert 0 < replica.attributes["llm.time_to_first_token_s"] <= ingress.attributes["llm.time_to_first_token_s"]
+
+
+async def test_every_dashboard_query_names_a_metric_the_app_exports(app, metrics_url):
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        assert (await client.post("/v1/chat/completions", json=body(app.model, stream=True))).status_code == 200
+    wanted = dashboard_metrics(json.loads(DASHBOARD.read_text()))
+
+    def exported():
+        names = {name for name, _ in scrape(metrics_url)}
+        missing = {m for m in wanted if not any(n == m or n.startswith(m + "_") for n in names)}
+        # Counters of events that have not happened yet in this session have no series.
+        return not (missing - EVENT_ONLY)
+
+    wait_until(exported, within_s=60, what=f"every dashboard metric in the scrape: {sorted(wanted)}")
+
+
+EVENT_ONLY = {f"ray_{metrics.REJECTED}_total", f"ray_{metrics.ABORTED}_total"}
