@@ -22,8 +22,10 @@ tiny-model: $(TINY_MODEL)/tiny_model.json
 $(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
 	$(BIN)/python -m serve_app.tiny_model $(TINY_MODEL) --force
 
+# A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
 serve: install tiny-model
-	$(BIN)/serve run deploy/config.cpu.yaml
+	$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
+	trap '$(BIN)/ray stop' EXIT INT TERM; $(BIN)/serve run --address auto deploy/config.cpu.yaml
 
 test: install tiny-model
 	$(BIN)/python -m pytest -v --durations=15

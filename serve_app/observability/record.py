@@ -150,7 +150,9 @@ class ObserveRequests:
             await self.app(scope, receive, observed_send)
         except asyncio.CancelledError:  # Serve cancels a request whose client left
             raise
-        except Exception:
+        except Exception as exc:
+            if record.status is not None and _client_left(exc):
+                return  # mid-response: nobody is there to answer, and nothing went wrong here
             if record.status is None:
                 record.status = 500
             raise
@@ -162,6 +164,14 @@ class ObserveRequests:
             for observe in self.observers:
                 observe(record)
             close_span(record)
+
+
+def _client_left(exc: BaseException) -> bool:
+    """Serve reports a client that left as a cancelled task; once a response has started,
+    Starlette re-raises it wrapped in a RuntimeError ("response already started")."""
+    from ray.exceptions import TaskCancelledError
+
+    return isinstance(exc, TaskCancelledError) or isinstance(exc.__cause__, TaskCancelledError)
 
 
 def close_span(record: RequestRecord) -> None:

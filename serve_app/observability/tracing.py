@@ -65,6 +65,10 @@ def configure_tracing(environ: Mapping[str, str] | None = None) -> bool:
     else:
         logger.warning("OTLP protocol %r is not supported (grpc, http/protobuf); traces are off", protocol)
         return False
+    # vLLM's engine processes, started after this, export their own spans when they see
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, and default to gRPC: make them speak the same protocol.
+    if environ is os.environ:
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: DEFAULT_SERVICE_NAME}
     provider = TracerProvider(resource=Resource.create(attributes))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))

@@ -93,7 +93,11 @@ def app(tmp_path_factory, otlp_collector) -> RunningApp:
     config["http_options"]["port"] = port
     env_vars = config["applications"][0].setdefault("runtime_env", {}).setdefault("env_vars", {})
     env_vars["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_collector.endpoint
+    env_vars["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # what the collector speaks
     env_vars["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms between span batches (default 5 s)
+    # Only requests whose client sends a sampled traceparent are traced: the rest of the
+    # suite's load adds no spans.
+    env_vars["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
     workdir = tmp_path_factory.mktemp("serve")
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -210,3 +210,47 @@ def test_an_unknown_otlp_protocol_leaves_tracing_off():
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
     assert tracing.otlp_protocol(environ) == "http/json"
     assert tracing.configure_tracing(environ) is False
+
+
+def test_a_client_leaving_mid_response_is_recorded_not_raised():
+    """Serve's receive raises TaskCancelledError when the client leaves; Starlette re-raises it
+    as "response already started". That is a client gone (499), not a server error."""
+    import asyncio
+
+    from ray.exceptions import TaskCancelledError
+
+    from serve_app.observability.record import ObserveRequests
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise RuntimeError("Caught handled exception, but response already started.") from TaskCancelledError()
+
+    records: list[RequestRecord] = []
+    middleware = ObserveRequests(app, {"/v1/chat/completions": "chat"}, [records.append])
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        pass
+
+    asyncio.run(middleware(scope, receive, send))
+    assert [r.status for r in records] == [CLIENT_GONE]
+
+
+def test_a_failure_before_the_response_is_a_500_and_raised():
+    import asyncio
+
+    from serve_app.observability.record import ObserveRequests
+
+    async def app(scope, receive, send):
+        raise ValueError("bug")
+
+    records: list[RequestRecord] = []
+    middleware = ObserveRequests(app, {"/v1/completions": "completion"}, [records.append])
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    with pytest.raises(ValueError):
+        asyncio.run(middleware(scope, None, None))
+    assert [r.status for r in records] == [500]
