@@ -74,7 +74,7 @@ class HTTPSettings:
     log_content: bool = False  # ... with the prompt and the completion in it
 
 
-RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a health check to land
+RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -171,8 +171,8 @@ async def relay(
     that cannot serve (503: its engine died, or it went away) has sent the
     client nothing, even if it had begun generating, so the request is sent
     again, to whichever replica Serve picks, for up to ``retry_s`` seconds from
-    that first refusal; a dead replica leaves Serve's routing at its next
-    health check.
+    that first refusal; a replica whose engine died exits within seconds, and
+    each router drops it on its first failed call.
     """
     streaming = bool(getattr(payload, "stream", False))
     first_by = deadline.first_token_at if streaming else deadline.end_at

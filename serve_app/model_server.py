@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -24,6 +25,7 @@ from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
+from serve_app.engine_watch import EngineWatch
 from serve_app.observability import tracing
 from serve_app.streaming import Outcome, OutcomeTap, Reply, coalesce, end_on_error_event, is_error_event
 
@@ -31,9 +33,8 @@ logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(
-    # The check only reads the engine's state, so it runs often: a replica whose
-    # engine died leaves Serve's routing within seconds, and the ingress's retries
-    # of requests it refused land on a healthy replica.
+    # The check only reads the engine's state, so it runs often. A replica whose
+    # engine died exits by itself (serve_app.engine_watch); the check is the backstop.
     health_check_period_s=2,
     health_check_timeout_s=30,
 )
@@ -89,6 +90,8 @@ class ModelServer:
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.watch = EngineWatch(engine_dead=lambda: self.engine.errored, leave=self._leave)
+        self.watch.start()
         logger.info(
             "model %s ready (max_model_len=%d, stop_token_ids=%s)", model.name, self.max_model_len, stop_ids
         )
@@ -117,15 +120,16 @@ class ModelServer:
         started = time.monotonic()
         outcome: Outcome | None = None
         first_at: float | None = None
-        try:
-            async for item in self._generate(create, request):
-                if isinstance(item, Outcome):
-                    outcome = item
-                elif first_at is None and isinstance(item, str):  # a stream's first chunk
-                    first_at = time.monotonic()
-                yield item
-        finally:
-            _close_replica_span(span, outcome, first_at - started if first_at is not None else None)
+        with self.watch.call():
+            try:
+                async for item in self._generate(create, request):
+                    if isinstance(item, Outcome):
+                        outcome = item
+                    elif first_at is None and isinstance(item, str):  # a stream's first chunk
+                        first_at = time.monotonic()
+                    yield item
+            finally:
+                _close_replica_span(span, outcome, first_at - started if first_at is not None else None)
 
     async def _generate(self, create: Any, request: Any) -> AsyncIterator[Answer]:
         """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`."""
@@ -177,10 +181,18 @@ class ModelServer:
         return self.engine.get_num_unfinished_requests()
 
     async def check_health(self) -> None:
-        """Serve's health check: a dead engine makes Serve replace this replica."""
+        """Serve's health check: a dead engine makes Serve replace this replica (if it has not left already)."""
         await self.engine.check_health()
 
+    def _leave(self) -> None:
+        """End this replica's process (its engine died); see :mod:`serve_app.engine_watch`."""
+        self.engine.shutdown()  # whatever of the engine still runs goes with it
+        os._exit(1)
+
     def __del__(self) -> None:
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.stopping = True  # Serve is stopping this replica: the engine's shutdown is no death
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -226,5 +238,5 @@ def _close_replica_span(span: Any, outcome: Outcome | None, ttft_s: float | None
 
 def _unavailable() -> Reply:
     """Not the request's fault, and nothing started: the ingress sends it again, and
-    Serve's next health check takes this replica out of routing and replaces it."""
+    this replica exits within seconds, so the retry lands on another (EngineWatch)."""
     return Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")

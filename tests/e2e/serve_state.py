@@ -88,3 +88,14 @@ def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
         ]
         for replica in replicas
     }
+
+
+def death_reason(actor_id: str) -> str | None:
+    """Why Ray says a (dead) actor died, e.g. ``WORKER_DIED`` or ``RAY_KILL``; None while it lives.
+
+    Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
+    """
+    (actor,) = list_actors(filters=[("actor_id", "=", actor_id)], detail=True)
+    if actor.state != "DEAD":
+        return None
+    return (actor.death_cause or {}).get("actor_died_error_context", {}).get("reason")

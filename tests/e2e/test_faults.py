@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.serve_state import replica_engines
+from tests.e2e.serve_state import death_reason, replica_engines
 
 pytestmark = pytest.mark.disruptive
 
@@ -25,7 +25,8 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
         "stream": True,
     }
     # Found first: the lookup is slow.
-    engines = [p for found in (await asyncio.to_thread(replica_engines, one_replica)).values() for p in found]
+    by_replica = await asyncio.to_thread(replica_engines, one_replica)
+    engines = [p for found in by_replica.values() for p in found]
     assert engines, "no engine process found"
     first_chunk = asyncio.Event()
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
@@ -80,3 +81,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             assert time.monotonic() - start < 360, f"no answer {time.monotonic() - start:.0f} s after the engine died"
             await asyncio.sleep(2)  # poll interval of the condition above
     print(f"answers resumed {time.monotonic() - start:.0f} s after the engine died")
+    # The replica ended its own process (serve_app.engine_watch): Ray records its worker
+    # as died, where a replica Serve stopped after failed health checks is killed (RAY_KILL).
+    (replica,) = by_replica
+    assert await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"

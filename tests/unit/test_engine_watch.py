@@ -1,0 +1,91 @@
+"""EngineWatch: a replica whose engine died lets its calls finish, then leaves; one being stopped does not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from serve_app.engine_watch import EngineWatch
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.dead = False
+
+
+def watch_of(engine: Engine) -> tuple[EngineWatch, list[int]]:
+    left: list[int] = []
+    return EngineWatch(engine_dead=lambda: engine.dead, leave=lambda: left.append(1)), left
+
+
+async def test_leaves_once_the_engine_dies() -> None:
+    engine = Engine()
+    watch, left = watch_of(engine)
+    task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=5))
+    await asyncio.sleep(0.05)
+    assert not task.done() and left == []  # a live engine: keeps watching
+    engine.dead = True
+    await asyncio.wait_for(task, timeout=5)
+    assert left == [1]
+
+
+async def test_lets_the_calls_it_holds_finish_first() -> None:
+    engine = Engine()
+    watch, left = watch_of(engine)
+    release = asyncio.Event()
+
+    async def call() -> None:
+        with watch.call():
+            await release.wait()
+
+    calls = [asyncio.create_task(call()) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert watch.ongoing == 2
+    engine.dead = True
+    task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=30))
+    await asyncio.sleep(0.1)
+    assert left == [] and not task.done()
+    release.set()
+    await asyncio.gather(*calls)
+    await asyncio.wait_for(task, timeout=5)
+    assert left == [1] and watch.ongoing == 0
+
+
+async def test_a_call_that_never_ends_does_not_keep_it_alive() -> None:
+    engine = Engine()
+    engine.dead = True
+    watch, left = watch_of(engine)
+    with watch.call():
+        await asyncio.wait_for(watch.watch(poll_s=0.01, drain_s=0.1), timeout=5)
+        assert left == [1] and watch.ongoing == 1
+
+
+async def test_a_replica_serve_is_stopping_shuts_its_engine_down_without_leaving() -> None:
+    engine = Engine()
+    watch, left = watch_of(engine)
+    task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=5))
+    watch.stopping = True
+    engine.dead = True  # what the engine's shutdown in __del__ looks like
+    await asyncio.wait_for(task, timeout=5)
+    assert left == []
+
+
+async def test_stopping_during_the_drain_does_not_leave() -> None:
+    engine = Engine()
+    engine.dead = True
+    watch, left = watch_of(engine)
+    with watch.call():
+        task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=30))
+        await asyncio.sleep(0.05)
+        watch.stopping = True
+    await asyncio.wait_for(task, timeout=5)
+    assert left == []
+
+
+def test_a_failing_call_still_counts_down() -> None:
+    watch, _ = watch_of(Engine())
+    try:
+        with watch.call():
+            raise ValueError("boom")
+    except ValueError:
+        pass
+    assert watch.ongoing == 0
