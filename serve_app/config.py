@@ -72,6 +72,30 @@ def validate_deployment_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+class StreamBatchingConfig(_Strict):
+    """How many tokens each streamed chunk carries, by how busy the replica's engine is.
+
+    Every chunk crosses two hops (model replica to ingress to proxy), each a message
+    costing CPU that the engine needs. A stream that starts while the engine holds
+    ``held`` requests gets ``1 + held // requests_per_token`` tokens per chunk, at most
+    ``max_tokens_per_chunk``: token by token when the engine is nearly idle, fewer
+    and larger messages when it is busy and each stream's tokens come slowly anyway.
+    It sets vLLM's per-request ``stream_interval``: a stream's first and last chunks
+    are always sent at once, and a client that sets ``stream_interval`` keeps its own.
+    """
+
+    requests_per_token: int = Field(
+        default=4, gt=0, description="One more token per chunk for each this many requests the engine holds."
+    )
+    max_tokens_per_chunk: int = Field(
+        default=8, ge=1, description="The most tokens a chunk waits for; 1 streams every token on its own."
+    )
+
+    def tokens_per_chunk(self, held: int) -> int:
+        """Tokens per chunk for a stream starting while the engine holds ``held`` requests."""
+        return min(self.max_tokens_per_chunk, 1 + held // self.requests_per_token)
+
+
 class ModelConfig(_Strict):
     """One served model: its public name, vLLM engine arguments and Serve deployment options."""
 
@@ -83,6 +107,7 @@ class ModelConfig(_Strict):
         default_factory=dict,
         description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...).",
     )
+    stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
 
     @field_validator("name")
     @classmethod

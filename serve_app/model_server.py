@@ -54,6 +54,7 @@ class ModelServer:
         from serve_app.glm4.format import check_dtype
 
         self.model_name = model.name
+        self.stream_batching = model.stream_batching
         tracing.configure_tracing()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
@@ -142,6 +143,9 @@ class ModelServer:
             yield _unavailable()
             return
         tap = _outcome_tap(request) if getattr(request, "stream", False) else None
+        if tap is not None and request.stream_interval is None:  # see StreamBatchingConfig
+            held = self.engine.get_num_unfinished_requests()
+            request.stream_interval = self.stream_batching.tokens_per_chunk(held)
         try:
             result = await create(request)
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we

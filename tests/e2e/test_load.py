@@ -8,8 +8,10 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from benchmarks.client import carries_tokens
+from serve_app.config import parse_app_config
 from serve_app.observability import metrics
 from tests.e2e.telemetry import scrape, total, wait_until
 
@@ -66,6 +68,65 @@ async def test_each_streams_first_token_arrives_while_generation_still_runs(app,
 
         results = await asyncio.gather(*(one() for _ in range(STREAMS)))
     assert all(count > 0 for count in results), results
+
+
+async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replica):
+    """StreamBatchingConfig on the real engine: alone, a stream gets a token per chunk; one
+    that starts while the engine holds other streams gets several per chunk, every token
+    in order; a client's own ``stream_interval`` wins. Tokens are counted by logprobs."""
+    batching = parse_app_config(yaml.safe_load(app.config_path.read_text())["applications"][0]["args"])
+    batching = batching.models[0].stream_batching
+    tokens = 48
+
+    async def chunk_sizes(client: httpx.AsyncClient, **extra) -> list[int]:
+        body = chat(app.model, max_tokens=tokens, min_tokens=tokens, stream=True, logprobs=True, **extra)
+        sizes = []
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and (choices := json.loads(line[6:])["choices"]):
+                    if logprobs := choices[0].get("logprobs"):
+                        sizes.append(len(logprobs["content"]))
+        assert sum(sizes) == tokens, sizes
+        return sizes
+
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
+        await in_flight_reaches_zero(one_replica, within_s=30.0)
+        alone = await chunk_sizes(client)
+        assert set(alone) == {1}, alone
+
+        started = [asyncio.Event() for _ in range(4 * batching.requests_per_token)]
+        leave = asyncio.Event()
+
+        async def keep_busy(first_chunk: asyncio.Event) -> None:
+            try:
+                async with client.stream("POST", "/v1/chat/completions", json=chat(app.model, stream=True, **LONG)) as r:
+                    lines = r.aiter_lines()  # held: dropping it would close the stream now
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            break
+                    first_chunk.set()
+                    await leave.wait()
+            finally:
+                first_chunk.set()  # also when it failed, so the test reports why instead of hanging
+
+        busy = [asyncio.create_task(keep_busy(e)) for e in started]
+        try:
+            await asyncio.gather(*(e.wait() for e in started))
+            held = await one_replica.in_flight.remote()
+            assert held >= batching.requests_per_token, f"only {held} requests in the engine"
+            sizes = await chunk_sizes(client)
+            own = await chunk_sizes(client, stream_interval=1)
+        finally:
+            leave.set()
+            await asyncio.gather(*busy)
+    # vLLM sends the first token at once, then every k tokens, then the rest with the last.
+    k = max(sizes)
+    assert 2 <= k <= batching.max_tokens_per_chunk and sizes[0] == 1, sizes
+    assert set(sizes[1:-1]) == {k} and sizes[-1] <= k, sizes
+    assert set(own) == {1}, own
+    print(f"alone: {len(alone)} chunks; beside {held} requests: {len(sizes)} chunks ({k} tokens each)")
 
 
 def counted(metrics_url: str, name: str, **labels: str) -> float:

@@ -134,3 +134,21 @@ def test_retrying_refused_requests_defaults_to_thirty_seconds_and_cannot_be_nega
     args["ingress"] = {"unavailable_retry_s": -1}
     with pytest.raises(ConfigError, match=r"ingress.unavailable_retry_s"):
         parse_app_config(args)
+
+
+def test_chunks_carry_more_tokens_as_the_engine_gets_busier():
+    batching = parse_app_config(minimal()).models[0].stream_batching
+    assert (batching.requests_per_token, batching.max_tokens_per_chunk) == (4, 8)
+    held = [0, 3, 4, 15, 16, 27, 28, 64, 1000]
+    assert [batching.tokens_per_chunk(n) for n in held] == [1, 1, 2, 4, 5, 7, 8, 8, 8]
+
+
+def test_stream_batching_can_be_turned_off_and_is_validated():
+    off = parse_app_config(minimal(stream_batching={"max_tokens_per_chunk": 1})).models[0].stream_batching
+    assert {off.tokens_per_chunk(n) for n in range(200)} == {1}
+    with pytest.raises(ConfigError, match=r"stream_batching.requests_per_token"):
+        parse_app_config(minimal(stream_batching={"requests_per_token": 0}))
+    with pytest.raises(ConfigError, match=r"stream_batching.max_tokens_per_chunk"):
+        parse_app_config(minimal(stream_batching={"max_tokens_per_chunk": 0}))
+    with pytest.raises(ConfigError, match=r"stream_batching.every"):
+        parse_app_config(minimal(stream_batching={"every": 2}))
