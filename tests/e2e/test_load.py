@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -39,6 +41,35 @@ async def timed_chat(client: httpx.AsyncClient, model: str, tokens: int) -> floa
     return time.monotonic() - start
 
 
+@contextlib.asynccontextmanager
+async def open_streams(client: httpx.AsyncClient, body: dict, count: int) -> AsyncIterator[None]:
+    """Open ``count`` streams and enter once each has its first chunk; on exit their clients leave mid-stream."""
+    opened = [asyncio.Event() for _ in range(count)]
+    leave = asyncio.Event()
+
+    async def hold(started: asyncio.Event) -> None:
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                lines = response.aiter_lines()  # held: dropping it would close the stream now
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                started.set()
+                await leave.wait()
+            # leaving the block closes the connection mid-stream
+        finally:
+            started.set()  # also when it failed, so the test reports why instead of hanging
+
+    tasks = [asyncio.create_task(hold(e)) for e in opened]
+    try:
+        await asyncio.gather(*(e.wait() for e in opened))
+        yield
+    finally:
+        leave.set()
+        await asyncio.gather(*tasks)
+
+
 STREAMS = 16
 STREAM_TOKENS = 400  # a second or more of generation for 16 streams of the tiny model
 
@@ -70,7 +101,7 @@ async def test_each_streams_first_token_arrives_while_generation_still_runs(app,
     assert all(count > 0 for count in results), results
 
 
-async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replica):
+async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replica, metrics_url):
     """StreamBatchingConfig on the real engine: alone, a stream gets a token per chunk; one
     that starts while the engine holds other streams gets several per chunk, every token
     in order; a client's own ``stream_interval`` wins. Tokens are counted by logprobs."""
@@ -96,31 +127,19 @@ async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replic
         alone = await chunk_sizes(client)
         assert set(alone) == {1}, alone
 
-        started = [asyncio.Event() for _ in range(4 * batching.requests_per_token)]
-        leave = asyncio.Event()
-
-        async def keep_busy(first_chunk: asyncio.Event) -> None:
-            try:
-                async with client.stream("POST", "/v1/chat/completions", json=chat(app.model, stream=True, **LONG)) as r:
-                    lines = r.aiter_lines()  # held: dropping it would close the stream now
-                    async for line in lines:
-                        if line.startswith("data: {"):
-                            break
-                    first_chunk.set()
-                    await leave.wait()
-            finally:
-                first_chunk.set()  # also when it failed, so the test reports why instead of hanging
-
-        busy = [asyncio.create_task(keep_busy(e)) for e in started]
-        try:
-            await asyncio.gather(*(e.wait() for e in started))
+        async with open_streams(client, chat(app.model, stream=True, **LONG), 4 * batching.requests_per_token):
             held = await one_replica.in_flight.remote()
             assert held >= batching.requests_per_token, f"only {held} requests in the engine"
             sizes = await chunk_sizes(client)
             own = await chunk_sizes(client, stream_interval=1)
-        finally:
-            leave.set()
-            await asyncio.gather(*busy)
+            aborted_before = counted(metrics_url, metrics.ABORTED, model=app.model)
+            left = await one_replica.in_flight.remote()
+    # The streams left behind are counted as aborted before the next test reads that counter.
+    wait_until(
+        lambda: counted(metrics_url, metrics.ABORTED, model=app.model) - aborted_before >= left,
+        within_s=60,
+        what=f"the aborted-requests counter grows by {left} or more",
+    )
     # vLLM sends the first token at once, then every k tokens, then the rest with the last.
     k = max(sizes)
     assert 2 <= k <= batching.max_tokens_per_chunk and sizes[0] == 1, sizes
@@ -139,31 +158,8 @@ async def test_abandoned_streams_are_aborted_within_a_second(app, one_replica, m
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
         await in_flight_reaches_zero(one_replica, within_s=30.0)  # nothing left from earlier tests
         before = await timed_chat(client, app.model, 32)
-        opened: list[asyncio.Event] = [asyncio.Event() for _ in range(16)]
-        leave = asyncio.Event()
-
-        async def abandon(started: asyncio.Event) -> None:
-            try:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                    assert response.status_code == 200, await response.aread()
-                    lines = response.aiter_lines()  # held: dropping it would close the stream now
-                    async for line in lines:
-                        if line.startswith("data: {"):
-                            break
-                    started.set()
-                    await leave.wait()
-                # leaving the block closes the connection mid-stream
-            finally:
-                started.set()  # also when it failed, so the test reports why instead of hanging
-
-        body = chat(app.model, stream=True, **LONG)
-        tasks = [asyncio.create_task(abandon(e)) for e in opened]
-        try:
-            await asyncio.gather(*(e.wait() for e in opened))
+        async with open_streams(client, chat(app.model, stream=True, **LONG), 16):
             running = await one_replica.in_flight.remote()
-        finally:
-            leave.set()
-            await asyncio.gather(*tasks)
         # On 2 shared cores a stream can run to its end before others begin (see the
         # README's known issues): some may be complete; the rest are in the engine.
         assert 1 <= running <= 16, f"{running} requests in the engine while 16 streams were open"
