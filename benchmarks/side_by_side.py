@@ -75,8 +75,8 @@ def level_at(result: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
     return next((lv for lv in result["levels"] if lv["load"]["concurrency"] == concurrency), None)
 
 
-def print_comparison(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'figure':<38} {'bare vLLM':>10} {'this app':>10} {'compared':>16} {'target':>8}  met")
+def print_comparison(rows: list[dict[str, Any]], labels: tuple[str, str] = ("bare vLLM", "this app")) -> None:
+    print(f"\n{'figure':<38} {labels[0]:>10} {labels[1]:>10} {'compared':>16} {'target':>8}  met")
     for row in rows:
         compared = f"{row['difference']:+.1f} ms" if "difference" in row else f"{row['ratio']:.2f}x"
         print(f"{row['goal']:<38} {row['bare']:>10.1f} {row['app']:>10.1f} {compared:>16} {row['target']:>8}  "

@@ -110,3 +110,16 @@ def test_comparison_reports_each_goal_against_its_target():
     assert [(r["goal"].split(",")[0], r["met"]) for r in rows] == [
         ("time to first token p50", True), ("end-to-end p50", False), ("output tokens/s", True)]
     assert rows[0]["difference"] == 5 and rows[1]["ratio"] == 1.3 and rows[2]["ratio"] == 0.9
+
+
+def test_the_cpu_share_competitor_runs_only_inside_its_block():
+    from benchmarks.cpu_share import busy_process
+
+    with pytest.raises(ValueError, match="within"):
+        with busy_process(1.5):
+            pass
+    with busy_process(0) as nothing:
+        assert nothing is None
+    with busy_process(0.2) as proc:
+        assert proc.poll() is None  # spinning
+    assert proc.returncode is not None
