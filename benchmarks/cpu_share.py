@@ -6,8 +6,8 @@ On a machine where vLLM's CPU engine uses every core (its worker computes while 
 engine core polls for the result), any other process's CPU time is taken from the
 engine's steps. This measures how much: the side-by-side goal's three figures for bare
 vLLM with a competitor that does nothing but spin for ``--busy-fraction`` of every 10 ms,
-against bare vLLM alone. A serving layer on the same cores costs at least what a
-competitor of its CPU share costs.
+against bare vLLM alone: what a serving layer's CPU share alone costs on those cores,
+before any latency its hops add.
 """
 
 from __future__ import annotations
