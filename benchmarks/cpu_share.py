@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print_table(measured[name])
     rows = compare(measured["alone"], measured["shared"])
     print_comparison(rows, labels=("alone", f"busy {args.busy_fraction:.0%}"))
+    # In the rows, "bare" is bare vLLM alone and "app" is bare vLLM next to the competitor.
     result = {"config": str(args.config), "busy_fraction": args.busy_fraction, "comparison": rows}
     if args.out_dir:
         for name, levels in measured.items():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from benchmarks.client import Workload, carries_tokens
@@ -121,5 +123,9 @@ def test_the_cpu_share_competitor_runs_only_inside_its_block():
     with busy_process(0) as nothing:
         assert nothing is None
     with busy_process(0.2) as proc:
-        assert proc.poll() is None  # spinning
-    assert proc.returncode is not None
+        spinner = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 10
+        while sum(spinner.cpu_times()[:2]) < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.05)  # poll interval of the condition: the spinner has used CPU
+        assert sum(spinner.cpu_times()[:2]) >= 0.05 and proc.poll() is None
+    assert proc.returncode is not None  # ended with its block
