@@ -1,9 +1,10 @@
 """API keys: when configured, every ``/v1/*`` request needs ``Authorization: Bearer <key>``.
 
 Keys come from an environment variable or a file, either of which a Kubernetes
-Secret fills. A file is re-read when it changes, so rotating the Secret takes
-effect without restarting anything (Kubernetes swaps a mounted Secret's files
-atomically). ``/health`` stays open for load balancers and probes.
+Secret fills, one key per line (see :func:`parse_keys`). A file is re-read when
+it changes, so rotating the Secret takes effect without restarting anything
+(Kubernetes swaps a mounted Secret's files atomically; see :class:`APIKeys` for
+what a reload does). ``/health`` stays open for load balancers and probes.
 
 A presented key is compared with every configured key in constant time (as
 SHA-256 digests, so a key's length leaks nothing either), and no key, presented
@@ -16,7 +17,6 @@ import hashlib
 import hmac
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,16 +33,35 @@ logger = logging.getLogger("ray.serve")
 PROTECTED_PREFIX = "/v1/"
 KEY_ID_HEX_CHARS = 16
 KEY_ID_SCOPE_KEY = "api_key_id"  # where the middleware leaves the key's id: request.state.api_key_id
-_SEPARATORS = re.compile(r"[\s,]+")
+MIN_KEY_CHARS = 20
 
 
 class APIKeysUnavailable(RuntimeError):
-    """Keys are configured but their source holds none: the ingress refuses to start (fail closed)."""
+    """Keys are configured but their source holds none, or a malformed one: the ingress refuses to start."""
+
+
+class MalformedKeys(ValueError):
+    """A key source's text is not one key per line; the message names the line, never the key."""
 
 
 def parse_keys(text: str) -> frozenset[bytes]:
-    """Keys separated by commas, spaces or newlines, as SHA-256 digests; blank entries ignored."""
-    return frozenset(_digest(k) for k in _SEPARATORS.split(text) if k)
+    """One key per line, as SHA-256 digests; blank lines and ``#`` comments are ignored.
+
+    A line holding whitespace inside it (``alice sk-...``) or a key shorter than
+    :data:`MIN_KEY_CHARS` is refused as a whole: such a file is a mistake, and
+    guessing which part is the key would accept what nobody meant to.
+    """
+    digests = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if any(char.isspace() for char in key):
+            raise MalformedKeys(f"line {number} holds whitespace inside a key (one key per line, nothing else)")
+        if len(key) < MIN_KEY_CHARS:
+            raise MalformedKeys(f"line {number} holds a key shorter than {MIN_KEY_CHARS} characters")
+        digests.add(_digest(key))
+    return frozenset(digests)
 
 
 def _digest(key: str) -> bytes:
@@ -53,10 +72,18 @@ def _digest(key: str) -> bytes:
 class APIKeys:
     """The current set of accepted keys, read from an environment variable or a file.
 
-    ``read`` returns the source's text; for a file it is called again whenever
-    the file's modification time changes (checked at most every
-    ``recheck_s`` seconds). A source that becomes empty keeps the previous keys:
-    a half-written file must not lock every client out, nor let any in.
+    ``read`` returns the source's text (raising ``OSError`` when it cannot be
+    read); for a file it is called again whenever the file's modification time
+    changes (checked at most every ``recheck_s`` seconds). On a reload:
+
+    * keys that parse replace the old set;
+    * a malformed text, or a file that cannot be read, keeps the old set and logs an error;
+    * a source with no key at all revokes every key (each request then gets 401),
+      logged as an error: an operator must be able to revoke all keys at once.
+
+    So a key file must be replaced atomically (write a new file, then rename it
+    over the old one; Kubernetes swaps a mounted Secret's files that way), or a
+    reader may see it half-written.
     """
 
     describe: str  # where the keys come from, for messages: never the keys themselves
@@ -69,7 +96,10 @@ class APIKeys:
 
     def __post_init__(self) -> None:
         self._version = self.version()
-        self._digests = parse_keys(self.read())
+        try:
+            self._digests = parse_keys(self.read())
+        except (OSError, MalformedKeys) as exc:
+            raise APIKeysUnavailable(f"API keys from {self.describe} cannot be used: {exc}") from None
         self._checked_at = time.monotonic()
         if not self._digests:
             raise APIKeysUnavailable(f"API keys are configured from {self.describe}, which holds no key")
@@ -82,19 +112,13 @@ class APIKeys:
     def from_file(cls, path: str, recheck_s: float = 1.0) -> APIKeys:
         file = Path(path)
 
-        def read() -> str:
-            try:
-                return file.read_text()
-            except OSError:
-                return ""
-
         def version() -> float:
             try:
                 return file.stat().st_mtime
             except OSError:
                 return 0.0
 
-        return cls(f"file {path}", read, version, recheck_s)
+        return cls(f"file {path}", file.read_text, version, recheck_s)
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -105,12 +129,18 @@ class APIKeys:
         if version == self._version:
             return
         self._version = version
-        digests = parse_keys(self.read())
+        try:
+            digests = parse_keys(self.read())
+        except (OSError, MalformedKeys) as exc:
+            logger.error("API keys from %s not reloaded, keeping the previous %d: %s",
+                         self.describe, len(self._digests), exc)
+            return
+        self._digests = digests
         if digests:
-            self._digests = digests
             logger.info("API keys reloaded from %s: %d keys", self.describe, len(digests))
         else:
-            logger.warning("API keys from %s are now empty; keeping the previous keys", self.describe)
+            logger.error("API keys from %s now hold no key: every key is revoked, all requests get 401",
+                         self.describe)
 
     def identify(self, key: str) -> str | None:
         """The id of ``key`` if it is one of the configured keys (else None), without an early exit.

@@ -30,6 +30,18 @@ _TYPE_BY_STATUS = {
 }
 
 
+QUOTED_INPUT_CHARS = 100
+
+
+def quoted(value: str, limit: int = QUOTED_INPUT_CHARS) -> str:
+    """Client input as an error message quotes it: at most ``limit`` characters, then an ellipsis.
+
+    A message must not grow with what a client sends (a 1 MB model name would
+    come back, and be logged, whole).
+    """
+    return value if len(value) <= limit else value[:limit] + "…"
+
+
 def error_type(status: int) -> str:
     """The OpenAI error ``type`` for an HTTP status."""
     if status in _TYPE_BY_STATUS:

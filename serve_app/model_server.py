@@ -85,7 +85,7 @@ class ModelServer:
         await init_app_state(
             self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
         )
-        stop_ids = glm4_serving.configure(state)
+        stop_ids = glm4_serving.configure(state, self.engine)
         enforce_context_limit(state.openai_serving_chat, "render_chat_request")
         enforce_context_limit(state.openai_serving_completion, "render_completion_request")
         self.chat_serving = state.openai_serving_chat
@@ -94,7 +94,7 @@ class ModelServer:
         self.watch = EngineWatch(engine_dead=lambda: self.engine.errored, leave=self._leave)
         self.watch.start()
         logger.info(
-            "model %s ready (max_model_len=%d, stop_token_ids=%s)", model.name, self.max_model_len, stop_ids
+            "model %s ready (max_model_len=%d, eos/stop token ids=%s)", model.name, self.max_model_len, stop_ids
         )
 
     async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from serve_app.errors import APIError
+from serve_app.errors import APIError, quoted
 
 H = TypeVar("H")
 
@@ -41,7 +41,7 @@ class ModelRouter(Generic[H]):
             served = ", ".join(sorted(self.entries))
             raise APIError(
                 404,
-                f"The model '{model}' does not exist. Served models: {served}",
+                f"The model '{quoted(model)}' does not exist. Served models: {served}",
                 param="model",
                 code="model_not_found",
             )

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from serve_app.glm4.format import CHAT_TEMPLATE_PATH, SPECIAL_TOKENS, STOP_TOKENS
+from serve_app.glm4.format import SPECIAL_TOKENS, STOP_TOKENS, plain_chat_template
 
 BASE_VOCAB_SIZE = 350
 
@@ -53,7 +53,7 @@ def build_tokenizer():
         tokenizer_object=tokenizer,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE_PATH.read_text(),
+        chat_template=plain_chat_template(),
         model_max_length=8192,
         padding_side="left",
     )

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMClientError
 
-from serve_app.errors import APIError
+from serve_app.errors import APIError, quoted
 
 MAX_NESTING = 64  # far above any real request (tool schemas included); far below the parser's limits
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -42,6 +42,14 @@ COMPLETION_LOGPROBS = (0, 5)  # /v1/completions: logprobs is a count, at most 5
 # OpenAI parameters vLLM does not know that change nothing in the answer: accepted and dropped,
 # so clients that always send them (store=false, metadata for their own bookkeeping) work.
 IGNORED_OPENAI_PARAMS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+# vLLM parameters this server refuses, with why: each would let a request skip what the server guarantees.
+REFUSED_VLLM_PARAMS = {
+    "kv_transfer_params": (
+        "kv_transfer_params is for vLLM's disaggregated prefill, which this server does not run; "
+        "its prompt_token_ids would skip the chat template"
+    ),
+}
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -100,9 +108,12 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     """Validate ``body`` strictly with vLLM's ``model``; a fresh uuid4 replaces any client request id."""
     for name in IGNORED_OPENAI_PARAMS & body.keys():
         del body[name]
+    for name in REFUSED_VLLM_PARAMS.keys() & body.keys():
+        raise APIError(400, REFUSED_VLLM_PARAMS[name], param=name)
     unknown = sorted(set(body) - field_names(model))
     if unknown:  # OpenAI's answer too; vLLM would ignore them and answer as if they were not sent
-        raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        name = quoted(unknown[0])
+        raise APIError(400, f"unrecognized request argument supplied: {name}", param=name)
     if "messages" in body:
         check_roles(body["messages"])
     body["request_id"] = uuid.uuid4().hex
@@ -146,7 +157,7 @@ def check_roles(messages: Any) -> None:
         if isinstance(role, str) and role not in ROLES:
             raise APIError(
                 400,
-                f"messages[{i}].role is '{role[:40]}'; expected one of: {', '.join(sorted(ROLES))}",
+                f"messages[{i}].role is '{quoted(role)}'; expected one of: {', '.join(sorted(ROLES))}",
                 param=f"messages.{i}.role",
             )
 

@@ -99,6 +99,11 @@ HOSTILE: list[Hostile] = [
     Hostile("removed guided_json", encoded(chat(guided_json={"type": "object"})), 400, "guided_json"),
     Hostile("model missing", encoded(without(chat(), "model")), 400, "model"),
     Hostile("model not served", encoded(chat(model="gpt-4")), 404, "model"),
+    Hostile("model name of 100000 characters", encoded(chat(model="m" * 100_000)), 404, "model"),
+    Hostile("unknown parameter named with 100000 characters", encoded(chat(**{"p" * 100_000: 1})), 400,
+            "p" * 100 + "…"),
+    Hostile("kv_transfer_params (token ids past the template)", encoded(chat(
+        kv_transfer_params={"prompt_token_ids": [1, 2, 3]})), 400, "kv_transfer_params"),
     Hostile("named tool not offered", encoded(chat(
         tools=[{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}],
         tool_choice={"type": "function", "function": {"name": "b"}},

@@ -36,6 +36,19 @@ REAL_STOP_TOKEN_IDS = {"<|endoftext|>": 151329, "<|user|>": 151336, "<|observati
 """Their ids in the real GLM-4 tokenizer (``[gMASK]`` is 151331, ``<sop>`` 151333)."""
 
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+_MARKED_CONTROL = "{{ '\\ufdd0' ~ token }}"
+
+
+def plain_chat_template() -> str:
+    """The chat template without control-token marks, for a checkpoint's own tokenizer config.
+
+    Other servers (bare vLLM in the side-by-side benchmark) render a checkpoint's
+    template and tokenize it themselves; the marks are for this app's replicas only
+    (:mod:`serve_app.glm4.control_tokens`).
+    """
+    template = CHAT_TEMPLATE_PATH.read_text()
+    assert _MARKED_CONTROL in template, "the chat template's control() macro changed"
+    return template.replace(_MARKED_CONTROL, "{{ token }}")
 
 HALF_PRECISION = frozenset({"half", "float16", "fp16"})
 REFUSED_DTYPE_REASON = (

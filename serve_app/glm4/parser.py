@@ -35,6 +35,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.parser.abstract_parser import DelegatingParser
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParser, ToolParserManager
+from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
 
 from serve_app.glm4 import tool_calls
 from serve_app.glm4.format import SPECIAL_TOKENS
@@ -57,6 +58,24 @@ def without_special_tokens(text: str) -> str:
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "")
     return text
+
+
+def partial_required_calls(model_output: str) -> list[FunctionCall]:
+    """The calls of a ``tool_choice="required"`` answer whose JSON was cut short (by ``max_tokens``).
+
+    vLLM's unary path reads only a complete JSON array, so a cut answer would
+    come back with no call and no content: an empty message. Its streamed path
+    sends each call's name and the arguments written so far; this reads the
+    whole answer with that same function, so both forms return the same calls.
+    """
+    delta, _ = extract_required_tool_call_streaming(
+        previous_text="", current_text=model_output, tool_call_idx=None, tool_call_id_type="random"
+    )
+    return [
+        FunctionCall(id=call.id, name=call.function.name, arguments=call.function.arguments or "")
+        for call in (delta.tool_calls if delta else [])
+        if call.function is not None and call.function.name
+    ]
 
 
 def reads_glm4_calls(request: Any) -> bool:
@@ -120,7 +139,10 @@ class Glm4Parser(DelegatingParser):
         model_output_token_ids: Sequence[int] = (),
     ) -> tuple[str | None, str | None, list[FunctionCall] | None]:
         if uses_vllm_json_calls(request):
-            return super().parse(model_output, request, enable_auto_tools, model_output_token_ids)
+            reasoning, content, calls = super().parse(model_output, request, enable_auto_tools, model_output_token_ids)
+            if not calls and request.tool_choice == "required":
+                calls = partial_required_calls(model_output)
+            return reasoning, content, calls
         if reads_glm4_calls(request) and enable_auto_tools:
             parsed = parse_output(model_output, tool_names(request))
             content = without_special_tokens(parsed.content)

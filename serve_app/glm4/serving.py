@@ -1,17 +1,32 @@
-"""Applying GLM-4's facts to vLLM's OpenAI serving objects, in one place.
+"""Applying GLM-4's facts to vLLM's OpenAI serving objects and engine, in one place.
 
 The model replica calls :func:`frontend_defaults` before vLLM builds its
 serving objects and :func:`configure` right after, so every request, whatever
-the checkpoint's own configs say, is rendered with GLM-4's chat template, stops
-on GLM-4's three stop tokens, and has its tool calls read in GLM-4's format.
+the checkpoint's own configs say:
+
+* is rendered with GLM-4's chat template, and tokenized so that only the
+  template's own markers are control tokens (:mod:`serve_app.glm4.control_tokens`);
+* stops on GLM-4's three stop tokens, which are the engine's EOS tokens, so
+  vLLM's ``ignore_eos`` switches all three off as it does for a checkpoint whose
+  ``generation_config.json`` lists them;
+* has its tool calls read in GLM-4's format.
+
+Every vLLM internal this app touches for GLM-4 is named here.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import logging
 from typing import Any
 
+from serve_app.errors import quoted
+from serve_app.glm4.control_tokens import MARK_REFUSED, PromptTokenizer, find_control_mark
 from serve_app.glm4.format import CHAT_TEMPLATE_PATH, stop_token_ids
 from serve_app.glm4.parser import PARSER_NAME, Glm4Parser
+
+logger = logging.getLogger("ray.serve")
 
 
 def frontend_defaults() -> dict[str, Any]:
@@ -25,18 +40,77 @@ def frontend_defaults() -> dict[str, Any]:
     }
 
 
-def configure(state: Any) -> list[int]:
-    """Finish vLLM's serving objects (from ``init_app_state``) for GLM-4.
+def configure(state: Any, engine: Any) -> list[int]:
+    """Finish vLLM's serving objects (from ``init_app_state``) and its ``AsyncLLM`` for GLM-4.
 
-    Returns the stop token ids now added to every request.
+    Returns the stop token ids, now the engine's EOS tokens.
     """
-    chat, completion = state.openai_serving_chat, state.openai_serving_completion
+    chat = state.openai_serving_chat
     stop_ids = stop_token_ids(chat.renderer.tokenizer)
-    for serving in (chat, completion):
-        # vLLM merges these server defaults into each request's own stop_token_ids.
-        defaults = serving.default_sampling_params
-        defaults["stop_token_ids"] = list(dict.fromkeys([*defaults.get("stop_token_ids", []), *stop_ids]))
+    make_eos_tokens(engine, stop_ids)
+    if chat.chat_template == CHAT_TEMPLATE_PATH.read_text():
+        tokenize_control_tokens_from_template_only(chat.renderer)
+    else:  # a serve config chose its own template, which does not mark its control tokens
+        logger.warning("a chat template other than GLM-4's own is configured: client text can forge turns")
     # vLLM composed its generic parser around Glm4ToolParser; GLM-4 streams need Glm4Parser.
     chat.parser_cls = Glm4Parser
     state.online_renderer.parser = Glm4Parser
     return stop_ids
+
+
+def make_eos_tokens(engine: Any, stop_ids: list[int]) -> None:
+    """Make ``stop_ids`` the EOS tokens of the generation config vLLM's input processor reads.
+
+    vLLM adds a generation config's ``eos_token_id`` list to each request's stop
+    tokens unless the request sets ``ignore_eos`` (``SamplingParams.update_from_generation_config``).
+    ``override_generation_config`` cannot do this: vLLM reads it for sampling
+    defaults only, not for EOS tokens.
+    """
+    fields = engine.input_processor.generation_config_fields
+    listed = fields.get("eos_token_id")
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    fields["eos_token_id"] = list(dict.fromkeys([*listed, *stop_ids]))
+
+
+def tokenize_control_tokens_from_template_only(renderer: Any) -> None:
+    """Wrap the renderer's chat rendering: marked template markers are control tokens, the rest text.
+
+    vLLM renders the chat template to a string and tokenizes it later with
+    special tokens recognised anywhere. Here the rendered string is tokenized at
+    once by :class:`PromptTokenizer` and handed on as token ids (vLLM then skips
+    its own tokenization), and a request whose messages or tools carry the mark
+    is refused.
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    prompt_tokenizer = PromptTokenizer(renderer.get_tokenizer())
+
+    def refuse_marks(messages: Any, params: Any) -> None:
+        where = find_control_mark(messages, "messages") or find_control_mark(params.chat_template_kwargs)
+        if where is not None:
+            parameter = re.split(r"[.\[]", where)[0]
+            raise VLLMValidationError(f"{quoted(where)} {MARK_REFUSED}", parameter=quoted(parameter))
+
+    def as_tokens(prompt: dict[str, Any]) -> dict[str, Any]:
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or "prompt_token_ids" in prompt:
+            return prompt
+        tokens = prompt_tokenizer.tokenize(text)
+        return {**prompt, "prompt": tokens.text, "prompt_token_ids": tokens.token_ids}
+
+    render, render_async = renderer.render_messages, renderer.render_messages_async
+
+    @functools.wraps(render)
+    def render_messages(messages: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        refuse_marks(messages, params)
+        conversation, prompt = render(messages, params)
+        return conversation, as_tokens(prompt)
+
+    @functools.wraps(render_async)
+    async def render_messages_async(messages: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        refuse_marks(messages, params)
+        conversation, prompt = await render_async(messages, params)
+        return conversation, as_tokens(prompt)
+
+    renderer.render_messages = render_messages
+    renderer.render_messages_async = render_messages_async

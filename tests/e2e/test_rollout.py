@@ -33,9 +33,9 @@ from tests.e2e.sse import post_stream
 
 pytestmark = pytest.mark.disruptive
 
-KEYS = ("sk-e2e-first-4f1c9a", "sk-e2e-second-77b2d0")
-ROTATED = "sk-e2e-rotated-c3e8aa"
-LIMITED = ("sk-e2e-requests-9d01be", "sk-e2e-tokens-0a7f3c")  # one key per limit, so each starts full
+KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
+ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
+LIMITED = ("sk-e2e-requests-9d01be-0123456789", "sk-e2e-tokens-0a7f3c-0123456789")  # one key per limit, so each starts full
 REQUESTS_PER_MINUTE = 12
 TOKENS_PER_MINUTE = 1200
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from serve_app.config import APIKeysConfig, IngressConfig
 from serve_app.streaming import Reply
 from tests.unit.test_http import CHAT, assert_openai_error, client_for
 
-KEYS = "sk-first-0123456789, sk-second-abcdef\nsk-third"
+FIRST, SECOND, THIRD = "sk-first-0123456789abc", "sk-second-abcdef012345", "sk-third-9876543210zyx"
+KEYS = f"# rotated 2026-11\n{FIRST}\n\n  {SECOND}  \n{THIRD}\n"
 
 
 @pytest.fixture
@@ -27,7 +29,7 @@ def chat_with(client, authorization: str | None):
     return client.post("/v1/chat/completions", json=CHAT, headers=headers)
 
 
-@pytest.mark.parametrize("key", ["sk-first-0123456789", "sk-second-abcdef", "sk-third"])
+@pytest.mark.parametrize("key", [FIRST, SECOND, THIRD])
 def test_each_configured_key_is_accepted(env_keys, key):
     client, handle = client_for([Reply(200, b"{}")], api_keys=env_keys)
     assert chat_with(client, f"Bearer {key}").status_code == 200
@@ -37,8 +39,8 @@ def test_each_configured_key_is_accepted(env_keys, key):
 
 @pytest.mark.parametrize(
     "authorization",
-    [None, "", "Bearer", "Bearer ", "sk-third", "Basic c2stdGhpcmQ=", "Bearer sk-thir", "Bearer sk-third2",
-     "Bearer SK-THIRD", "Bearer sk-first-0123456789,sk-third"],
+    [None, "", "Bearer", "Bearer ", THIRD, "Basic c2stdGhpcmQ=", f"Bearer {THIRD[:-1]}", f"Bearer {THIRD}2",
+     f"Bearer {THIRD.upper()}", f"Bearer {FIRST},{THIRD}", "Bearer #", "Bearer rotated", "Bearer 2026-11"],
 )
 def test_missing_or_wrong_keys_get_401_and_reach_no_replica(env_keys, authorization):
     client, handle = client_for([Reply(200, b"{}")], api_keys=env_keys)
@@ -55,7 +57,7 @@ def test_missing_or_wrong_keys_get_401_and_reach_no_replica(env_keys, authorizat
 def test_unknown_v1_paths_are_401_before_404_so_they_reveal_nothing(env_keys):
     client, _ = client_for([], api_keys=env_keys)
     assert_openai_error(client.get("/v1/secrets"), 401)
-    assert_openai_error(client.get("/v1/secrets", headers={"Authorization": "Bearer sk-third"}), 404)
+    assert_openai_error(client.get("/v1/secrets", headers={"Authorization": f"Bearer {THIRD}"}), 404)
 
 
 def test_paths_are_matched_below_the_route_prefix():
@@ -75,7 +77,7 @@ def test_without_keys_configured_no_header_is_needed():
 
 
 def test_configured_but_empty_source_refuses_to_start(monkeypatch, tmp_path):
-    monkeypatch.setenv("TEST_API_KEYS", " ,\n")
+    monkeypatch.setenv("TEST_API_KEYS", " \n# only a comment\n")
     with pytest.raises(APIKeysUnavailable, match="environment variable TEST_API_KEYS"):
         APIKeys.from_env("TEST_API_KEYS")
     monkeypatch.delenv("TEST_API_KEYS")
@@ -85,37 +87,96 @@ def test_configured_but_empty_source_refuses_to_start(monkeypatch, tmp_path):
         APIKeys.from_file(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (f"alice {FIRST}\n", "line 1 holds whitespace inside a key"),
+        (f"{FIRST}, {SECOND}\n", "line 1 holds whitespace inside a key"),
+        (f"{FIRST}\nsk-short\n", "line 2 holds a key shorter than 20 characters"),
+        (f"{FIRST}\tcomment\n", "line 1 holds whitespace inside a key"),
+    ],
+)
+def test_a_malformed_key_source_refuses_to_start_and_names_the_line_not_the_key(monkeypatch, text, why):
+    monkeypatch.setenv("TEST_API_KEYS", text)
+    with pytest.raises(APIKeysUnavailable, match=why) as refused:
+        APIKeys.from_env("TEST_API_KEYS")
+    assert "sk-" not in str(refused.value) and "alice" not in str(refused.value)
+
+
+def test_comments_and_blank_lines_are_not_keys(env_keys):
+    assert len(parse_keys(KEYS)) == 3
+    for word in ("#", "rotated", "2026-11", "# rotated 2026-11", ""):
+        assert not env_keys.accepts(word)
+
+
 def write_keys(path: Path, text: str, mtime: float) -> None:
     path.write_text(text)
     os.utime(path, (mtime, mtime))  # a distinct mtime even on coarse-grained filesystems
 
 
-def test_a_rotated_key_file_takes_effect_without_a_restart(tmp_path):
+OLD, NEW = "sk-old-0123456789abcdef", "sk-new-0123456789abcdef"
+
+
+@pytest.fixture
+def key_file(tmp_path) -> tuple[Path, APIKeys]:
     path = tmp_path / "keys"
-    write_keys(path, "sk-old\n", 1_000)
+    write_keys(path, f"{OLD}\n", 1_000)
     keys = load_api_keys(APIKeysConfig(file=str(path)))
     keys.recheck_s = 0.0
-    assert keys.accepts("sk-old") and not keys.accepts("sk-new")
-    write_keys(path, "sk-new\n", 2_000)
-    assert keys.accepts("sk-new") and not keys.accepts("sk-old")
-    write_keys(path, "", 3_000)  # emptied (or half-written): the previous keys stay
-    assert keys.accepts("sk-new")
+    return path, keys
+
+
+def test_a_rotated_key_file_takes_effect_without_a_restart(key_file):
+    path, keys = key_file
+    assert keys.accepts(OLD) and not keys.accepts(NEW)
+    write_keys(path, f"# rotated\n{NEW}\n", 2_000)
+    assert keys.accepts(NEW) and not keys.accepts(OLD)
+
+
+@pytest.mark.parametrize("text", [f"{NEW}\nshort-key\n", f"{NEW} {OLD}\n"])
+def test_a_malformed_reload_keeps_the_previous_keys_and_logs_an_error(key_file, caplog, text):
+    path, keys = key_file
+    write_keys(path, text, 2_000)
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        assert keys.accepts(OLD) and not keys.accepts(NEW)
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and "keeping the previous 1" in record.getMessage()
+    assert "sk-" not in record.getMessage()
+
+
+def test_an_unreadable_file_keeps_the_previous_keys(key_file, caplog):
+    path, keys = key_file
     path.unlink()
-    assert keys.accepts("sk-new")
+    os.mkdir(path)  # a new mtime, and read_text fails
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        assert keys.accepts(OLD)
+    assert "not reloaded" in caplog.text
+
+
+def test_an_emptied_file_revokes_every_key_and_logs_one_error(key_file, caplog):
+    path, keys = key_file
+    write_keys(path, "# all keys revoked\n", 2_000)
+    client, handle = client_for([Reply(200, b"{}")], api_keys=keys)
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        for _ in range(3):
+            assert_openai_error(chat_with(client, f"Bearer {OLD}"), 401)
+    assert handle.payloads == []
+    assert len([r for r in caplog.records if "revoked" in r.getMessage()]) == 1
+    write_keys(path, f"{NEW}\n", 3_000)  # and a new key brings service back
+    assert chat_with(client, f"Bearer {NEW}").status_code == 200
 
 
 def test_the_file_is_rechecked_at_most_once_per_interval(tmp_path):
     path = tmp_path / "keys"
-    write_keys(path, "sk-old", 1_000)
+    write_keys(path, OLD, 1_000)
     keys = APIKeys.from_file(str(path), recheck_s=3600)
-    write_keys(path, "sk-new", 2_000)
-    assert keys.accepts("sk-old") and not keys.accepts("sk-new")  # no stat per request
+    write_keys(path, NEW, 2_000)
+    assert keys.accepts(OLD) and not keys.accepts(NEW)  # no stat per request
 
 
 def test_keys_are_kept_only_as_digests(env_keys):
     assert not any(b"sk-" in digest for digest in parse_keys(KEYS))
     assert "sk-" not in repr(env_keys)
-    assert len(parse_keys(KEYS)) == 3
 
 
 @pytest.mark.parametrize(
@@ -137,5 +198,5 @@ def test_check_does_not_stop_at_the_first_matching_key(env_keys, monkeypatch):
     compared = []
     real = auth.hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
-    assert env_keys.accepts("sk-first-0123456789")
+    assert env_keys.accepts(FIRST)
     assert len(compared) == 3, "every key is compared, whichever matches"

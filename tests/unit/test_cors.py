@@ -29,7 +29,7 @@ def test_off_by_default_no_cors_headers_and_no_preflight():
 
 
 def test_configured_origin_gets_a_preflight_without_an_api_key(monkeypatch):
-    monkeypatch.setenv("TEST_API_KEYS", "sk-cors")
+    monkeypatch.setenv("TEST_API_KEYS", "sk-cors-0123456789abcdef")
     cors = CORSConfig(allow_origins=[ORIGIN])
     client, handle = client_for([Reply(200, b"{}")], cors=cors, api_keys=APIKeys.from_env("TEST_API_KEYS"))
     preflight = client.options("/v1/chat/completions", headers=PREFLIGHT)
@@ -38,7 +38,7 @@ def test_configured_origin_gets_a_preflight_without_an_api_key(monkeypatch):
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     assert preflight.headers["access-control-max-age"] == "600"
     response = client.post(
-        "/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN, "Authorization": "Bearer sk-cors"}
+        "/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN, "Authorization": "Bearer sk-cors-0123456789abcdef"}
     )
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
     refused = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN})

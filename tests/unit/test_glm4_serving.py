@@ -108,6 +108,27 @@ def test_required_uses_vllms_schema_of_all_tools() -> None:
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
 
 
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ('[{"name": "get_weather", "parameters": {"city": "Par', [("get_weather", '{"city": "Par')]),
+        ('[{"name": "get_time", "parameters": {"utc": true}}, {"name": "get_weather", "parameters": {"ci',
+         [("get_time", '{"utc": true}'), ("get_weather", '{"ci')]),
+        ('[{"name": "get_wea', []),  # not even a name yet: nothing to call
+    ],
+)
+def test_required_cut_short_returns_the_partial_calls_as_vllm_streams_them(output, expected) -> None:
+    from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
+
+    req = Glm4Parser(None, None).adjust_request(with_tools(tool_choice="required"))
+    _, content, calls = Glm4Parser(None, req.tools).parse(output, req, enable_auto_tools=True)
+    assert content is None and [(c.name, c.arguments) for c in calls] == expected
+    streamed, _ = extract_required_tool_call_streaming(
+        previous_text="", current_text=output, tool_call_idx=None, tool_call_id_type="random"
+    )
+    assert [(c.function.name, c.function.arguments) for c in (streamed.tool_calls if streamed else [])] == expected
+
+
 def test_auto_keeps_the_turn_separator_in_the_text() -> None:
     assert Glm4Parser(None, None).adjust_request(with_tools()).skip_special_tokens is False
     assert Glm4Parser(None, None).adjust_request(request()).skip_special_tokens is True
@@ -127,22 +148,36 @@ class Vocab:
         return self.vocab
 
 
-def serving_state(vocab: dict[str, int], client_defaults: dict) -> SimpleNamespace:
-    chat = SimpleNamespace(renderer=SimpleNamespace(tokenizer=Vocab(vocab)), default_sampling_params=dict(client_defaults))
-    completion = SimpleNamespace(default_sampling_params={})
-    return SimpleNamespace(openai_serving_chat=chat, openai_serving_completion=completion, online_renderer=SimpleNamespace())
+def engine_with_generation_config(fields: dict) -> SimpleNamespace:
+    return SimpleNamespace(input_processor=SimpleNamespace(generation_config_fields=fields))
 
 
-def test_every_request_carries_the_three_stop_ids_whatever_it_asks() -> None:
-    state = serving_state(REAL_STOP_TOKEN_IDS | {"<|assistant|>": 151337}, {"temperature": 0.8})
-    assert glm4_serving.configure(state) == [151329, 151336, 151338]
-    assert state.openai_serving_chat.parser_cls is Glm4Parser
-    assert state.online_renderer.parser is Glm4Parser
-    for serving in (state.openai_serving_chat, state.openai_serving_completion):
-        for fields in ({}, {"stop_token_ids": [7]}, {"ignore_eos": True}):
-            params = request(**fields).to_sampling_params(16, serving.default_sampling_params)
-            assert {151329, 151336, 151338} <= set(params.stop_token_ids), fields
-    assert 7 in request(stop_token_ids=[7]).to_sampling_params(16, state.openai_serving_chat.default_sampling_params).stop_token_ids
+def sampling_params(engine: SimpleNamespace, eos_token_id: int, **fields):
+    """A request's sampling parameters as vLLM's input processor finishes them."""
+    params = request(**fields).to_sampling_params(16, {})
+    params.update_from_generation_config(engine.input_processor.generation_config_fields, eos_token_id)
+    return params
+
+
+@pytest.mark.parametrize("listed", [None, 151329, [151329], [151329, 151336, 151338]])
+def test_the_three_stop_tokens_become_the_engines_eos_tokens(listed) -> None:
+    engine = engine_with_generation_config({} if listed is None else {"eos_token_id": listed, "top_p": 0.8})
+    glm4_serving.make_eos_tokens(engine, [151329, 151336, 151338])
+    assert engine.input_processor.generation_config_fields["eos_token_id"] == [151329, 151336, 151338]
+    assert listed is None or engine.input_processor.generation_config_fields["top_p"] == 0.8
+
+
+def test_every_request_stops_on_the_three_unless_it_sets_ignore_eos() -> None:
+    engine = engine_with_generation_config({"eos_token_id": 151329})
+    glm4_serving.make_eos_tokens(engine, [151329, 151336, 151338])
+    for fields in ({}, {"stop_token_ids": [7]}):
+        params = sampling_params(engine, 151329, **fields)
+        assert params.eos_token_id == 151329 and {151336, 151338} <= set(params.stop_token_ids), fields
+    assert 7 in sampling_params(engine, 151329, stop_token_ids=[7]).stop_token_ids
+    ignoring = sampling_params(engine, 151329, ignore_eos=True)
+    assert ignoring.eos_token_id is None and not {151329, 151336, 151338} & set(ignoring.stop_token_ids)
+    # min_tokens still holds back all three (vLLM's all_stop_token_ids)
+    assert {151329, 151336, 151338} <= sampling_params(engine, 151329, min_tokens=4).all_stop_token_ids
 
 
 def test_a_tokenizer_without_glm4_stop_tokens_is_refused() -> None:

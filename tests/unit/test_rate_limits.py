@@ -18,7 +18,7 @@ from serve_app.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
 from serve_app.streaming import Outcome, OutcomeTap, Reply
 from tests.unit.test_http import CHAT, assert_openai_error, client_for
 
-KEYS = "sk-alpha-0123456789 sk-beta-0123456789"
+KEYS = "sk-alpha-0123456789ab\nsk-beta-0123456789abc"
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -125,7 +125,7 @@ def limited_client(items: list[Any], limiter: LedgerHandle, counts_tokens: bool 
 def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
     limiter = LedgerHandle(RateLedger(requests_per_minute=2, tokens_per_minute=None))
     client, handle = limited_client([Reply(200, b"{}")], limiter)
-    alpha, beta = bearer("sk-alpha-0123456789"), bearer("sk-beta-0123456789")
+    alpha, beta = bearer("sk-alpha-0123456789ab"), bearer("sk-beta-0123456789abc")
     assert [client.post("/v1/chat/completions", json=CHAT, headers=alpha).status_code for _ in range(2)] == [200, 200]
     refused = client.post("/v1/chat/completions", json=CHAT, headers=alpha)
     error = assert_openai_error(refused, 429)
@@ -140,13 +140,13 @@ def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
 
 def test_an_unreachable_limiter_admits_requests():
     client, _ = limited_client([Reply(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
-    assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789")).status_code == 200
+    assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab")).status_code == 200
 
 
 def test_unary_answers_are_charged_their_usage():
     limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=100))
     client, handle = limited_client([Reply(200, b"{}", Outcome(30, 90))], limiter, counts_tokens=True)
-    key = bearer("sk-alpha-0123456789")
+    key = bearer("sk-alpha-0123456789ab")
     assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200
     assert [tokens for _, tokens in limiter.charged] == [120]
     assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 429
@@ -157,7 +157,7 @@ def test_a_streams_usage_item_is_charged_and_never_written():
     chunks = ['data: {"choices":[{"text":"a"}]}\n\n', "data: [DONE]\n\n", Outcome(5, 7)]
     client, _ = limited_client(chunks, limiter, counts_tokens=True)
     body = {**CHAT, "stream": True}
-    response = client.post("/v1/chat/completions", json=body, headers=bearer("sk-alpha-0123456789"))
+    response = client.post("/v1/chat/completions", json=body, headers=bearer("sk-alpha-0123456789ab"))
     assert response.text == 'data: {"choices":[{"text":"a"}]}\n\ndata: [DONE]\n\n'
     assert [tokens for _, tokens in limiter.charged] == [12]
 
@@ -165,7 +165,7 @@ def test_a_streams_usage_item_is_charged_and_never_written():
 def test_without_token_limits_nothing_is_charged():
     limiter = LedgerHandle(RateLedger(requests_per_minute=10, tokens_per_minute=None))
     client, handle = limited_client([Reply(200, b"{}", Outcome(1, 1))], limiter)
-    client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789"))
+    client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab"))
     assert len(handle.payloads) == 1 and limiter.charged == []
 
 

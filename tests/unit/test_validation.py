@@ -34,6 +34,17 @@ def test_hostile_request_gets_its_4xx_naming_the_parameter_and_reaches_no_replic
     assert len(handle.payloads) == sent
 
 
+@pytest.mark.parametrize(
+    "body", [chat(model="m" * 100_000), chat(**{"p" * 100_000: 1}), chat(messages=[{"role": "r" * 100_000}])],
+    ids=["model", "parameter name", "role"],
+)
+def test_error_messages_quote_at_most_100_characters_of_client_input(app, body):
+    client, _ = app
+    error = client.post(CHAT_PATH, json=body).json()["error"]
+    assert len(error["message"]) < 300
+    assert not any(char * 101 in error["message"] or char * 101 in (error["param"] or "") for char in "mpr")
+
+
 def test_the_table_is_large_and_varied():
     assert len(HOSTILE) >= 30
     assert len({c.id for c in HOSTILE}) == len(HOSTILE)
