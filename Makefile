@@ -23,9 +23,16 @@ $(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/glm4/f
 	$(BIN)/python -m serve_app.tiny_model $(TINY_MODEL) --force
 
 # A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
+# Token authentication is on, as in production, whatever ran before: the token is
+# ~/.ray/auth_token (created here if absent), and Ray's own commands need RAY_AUTH_MODE=token.
+# One line says when the app can answer.
+serve: export RAY_AUTH_MODE = token
 serve: install tiny-model
+	$(BIN)/ray get-auth-token --generate > /dev/null
 	$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
-	trap '$(BIN)/ray stop' EXIT INT TERM; $(BIN)/serve run --address auto deploy/config.cpu.yaml
+	trap '$(BIN)/ray stop' EXIT INT TERM; \
+	$(BIN)/python -m serve_app.ready_line deploy/config.cpu.yaml & \
+	$(BIN)/serve run --address auto deploy/config.cpu.yaml
 
 test: install tiny-model
 	$(BIN)/python -m pytest -v --durations=15

@@ -1,17 +1,18 @@
 """Start the real application once per test session and share it.
 
-The app is started exactly as a user starts it: ``serve run`` on the embedded
-default config ``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny
-GLM-4 model), with only the HTTP port changed so tests never collide with a
-server a developer left running, and the standard OpenTelemetry variables set
-in its ``runtime_env`` so its replicas export traces to the tests' collector.
+The app is started as `make serve` starts it: a Ray head with token
+authentication, then ``serve run`` on the embedded default config
+``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny GLM-4 model).
+The head is the suite's own (:mod:`tests.e2e.ray_cluster`: its temp dir, token
+and ports), the HTTP port is a free one, and the standard OpenTelemetry
+variables are set in the app's ``runtime_env`` so its replicas export traces to
+the tests' collector: nothing collides with, or changes, what a developer runs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e.ray_cluster import RayCluster, free_port
 from tests.e2e.telemetry import OTLPCollector
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +41,6 @@ class RunningApp:
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pytest_collection_modifyitems(items):
@@ -71,7 +67,7 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, app: RunningApp) -> Non
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # serve run shuts the app and its local cluster down
+        proc.send_signal(signal.SIGINT)  # serve run shuts the app down
         try:
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -86,8 +82,37 @@ def otlp_collector():
     collector.close()
 
 
+USER_TOKEN = Path.home() / ".ray" / "auth_token"
+
+
+def token_file_state(path: Path = USER_TOKEN) -> tuple[bytes, int] | None:
+    """The user's Ray token file as it is (content, mtime), or None when there is none."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+USER_TOKEN_AT_START = token_file_state()  # read when pytest imports this file, before any cluster starts
+
+
 @pytest.fixture(scope="session")
-def app(tmp_path_factory, otlp_collector) -> RunningApp:
+def ray_cluster():
+    """The suite's own Ray head; this process and every Ray command the tests run use its token."""
+    cluster = RayCluster()
+    saved = {name: os.environ.get(name) for name in cluster.env}
+    os.environ.update(cluster.env)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def app(tmp_path_factory, otlp_collector, ray_cluster) -> RunningApp:
     config = yaml.safe_load(CONFIG.read_text())
     port = free_port()
     config["http_options"]["port"] = port
@@ -112,7 +137,7 @@ def app(tmp_path_factory, otlp_collector) -> RunningApp:
     serve_cli = Path(sys.executable).with_name("serve")
     with running.log_path.open("w") as log:
         proc = subprocess.Popen(
-            [str(serve_cli), "run", str(config_path)],
+            [str(serve_cli), "run", "--address", ray_cluster.address, str(config_path)],
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -126,12 +151,12 @@ def app(tmp_path_factory, otlp_collector) -> RunningApp:
 
 
 @pytest.fixture(scope="session")
-def cluster(app):
+def cluster(app, ray_cluster):
     """This process joined to the app's Ray cluster; yields the cluster's dashboard URL."""
     import ray
 
-    context = ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    yield f"http://{context.dashboard_url}"
+    ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
+    yield ray_cluster.dashboard_url
     ray.shutdown()
 
 

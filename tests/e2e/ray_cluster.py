@@ -1,0 +1,94 @@
+"""The test suite's own Ray cluster: its own temp dir, ports and token, nothing of the user's.
+
+`make serve` and a plain `serve run` use the user's Ray setup (``/tmp/ray``,
+``~/.ray/auth_token``, port 6379). The suite must neither change that setup nor
+join a cluster the user left running, so it starts a head node of its own, with
+token authentication on as `make serve` has it, a token in its temp dir
+(``RAY_AUTH_TOKEN_PATH``), free ports, and ``--block`` so that stopping that one
+process stops exactly this cluster (``ray stop`` would stop every cluster on the
+machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    """A one-node Ray cluster started with ``ray start --head --block``."""
+
+    # Short: Ray's Unix sockets live below it, and their paths are limited to 107 bytes.
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="glm4-ray-", dir="/tmp")))
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def token_path(self) -> Path:
+        return self.root / "auth_token"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a Ray client (driver, `serve` or `ray` CLI) needs to reach this cluster."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path), "RAY_ADDRESS": self.address}
+
+    def start(self) -> None:
+        from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+        self.token_path.write_text(generate_new_authentication_token())
+        self.token_path.chmod(0o600)
+        ray_cli = Path(sys.executable).with_name("ray")
+        log = (self.root / "ray-start.log").open("w")
+        self.process = subprocess.Popen(
+            [str(ray_cli), "start", "--head", "--block", "--disable-usage-stats",
+             "--temp-dir", str(self.root / "ray"), "--node-ip-address", "127.0.0.1",
+             "--port", str(self.gcs_port), "--dashboard-host", "127.0.0.1",
+             "--dashboard-port", str(self.dashboard_port), "--metrics-export-port", str(self.metrics_port),
+             "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
+            env=os.environ | self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        # `ray start` writes the cluster's address there once the head is up.
+        ready = self.root / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed:\n{(self.root / 'ray-start.log').read_text()[-3000:]}")
+            time.sleep(0.2)  # poll interval of the condition above
+
+    def stop(self) -> None:
+        """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        shutil.rmtree(self.root, ignore_errors=True)
