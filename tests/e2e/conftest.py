@@ -99,6 +99,7 @@ def ray_cluster():
     cluster = RayCluster()
     saved = {name: os.environ.get(name) for name in cluster.env}
     os.environ.update(cluster.env)
+    reload_ray_auth_settings()
     try:
         cluster.start()
         yield cluster
@@ -109,6 +110,16 @@ def ray_cluster():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        reload_ray_auth_settings()
+
+
+def reload_ray_auth_settings() -> None:
+    """Make this process read RAY_AUTH_* again: Ray caches its config (and the token) on first use,
+    which collecting the unit tests may already have caused."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @pytest.fixture(scope="session")
