@@ -172,9 +172,10 @@ class ModelConfig(_Strict):
 class APIKeysConfig(_Strict):
     """Where the ingress reads its API keys; set exactly one source.
 
-    Keys are separated by commas, spaces or newlines. A source that holds no key
-    stops the ingress from starting: keys that are configured but missing never
-    mean an open server.
+    One key per line; blank lines and ``#`` comments are ignored (see
+    :func:`serve_app.auth.parse_keys`). A source that holds no key, or a malformed
+    one, stops the ingress from starting: keys that are configured but missing
+    never mean an open server.
     """
 
     env: str | None = Field(
@@ -258,8 +259,11 @@ class IngressConfig(_Strict):
         gt=0,
         description="Larger request bodies get 413 before they are parsed.",
     )
-    health_check_timeout_s: float = Field(
-        default=5.0, gt=0, description="How long GET /health waits for each model to answer."
+    health_max_age_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="GET /health answers from Serve's status, read in the background every second; "
+        "if the Serve controller has not answered for this long, /health answers 503.",
     )
     request_timeout_s: float = Field(
         default=600.0,

@@ -30,6 +30,11 @@ _TYPE_BY_STATUS = {
 }
 
 
+UNAVAILABLE = "unavailable"
+"""The ``code`` of a refusal before any engine saw the request: safe to send again."""
+ENGINE_FAILED = "engine_failed"
+"""The ``code`` of an answer whose engine died while generating it (never retried)."""
+
 QUOTED_INPUT_CHARS = 100
 
 
@@ -47,6 +52,18 @@ def error_type(status: int) -> str:
     if status in _TYPE_BY_STATUS:
         return _TYPE_BY_STATUS[status]
     return "invalid_request_error" if status < 500 else "internal_error"
+
+
+# For a type several statuses share, the one it most often stands for.
+_STATUS_BY_TYPE = {name: status for status, name in _TYPE_BY_STATUS.items()} | {
+    "invalid_request_error": 400,
+    "timeout_error": 504,
+}
+
+
+def status_of(error_type_name: str | None) -> int:
+    """The status an error ``type`` stands for; 500 for a type this server does not send."""
+    return _STATUS_BY_TYPE.get(error_type_name or "", 500)
 
 
 @dataclass(eq=False)  # exceptions must stay hashable and mutable (tracebacks, causes)

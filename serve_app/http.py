@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from ray.exceptions import TaskCancelledError
@@ -33,19 +34,30 @@ from starlette.routing import Route
 from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.config import CORSConfig
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
-from serve_app.errors import APIError, error_body, sse_error_event
+from serve_app.errors import UNAVAILABLE, APIError, error_body, sse_error_event
 from serve_app.observability.record import ObserveRequests, Phase, RequestRecord
 from serve_app.observability.request_log import log_request
 from serve_app.observability.tracing import trace_context
 from serve_app.rate_limits import KeyLimits
+from serve_app.readiness import Readiness
 from serve_app.router import ModelRouter
-from serve_app.streaming import Outcome, Reply
+from serve_app.streaming import Outcome, Reply, trailing_error
 from serve_app.validation import check_output_fits, decode_body, parse_request
 
 logger = logging.getLogger("ray.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-HealthCheck = Callable[[], Awaitable[dict[str, bool]]]
+
+
+class ReadinessSource(Protocol):
+    """Where ``/health`` reads readiness (:class:`serve_app.readiness.ReadinessWatch`)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def readiness(self) -> Readiness: ...
+
 TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
 
 
@@ -110,10 +122,24 @@ def replica_failure(exc: BaseException) -> APIError:
         (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError),
     ):
         return APIError(
-            503, "the model replica is unavailable; retry shortly", code="unavailable", headers={"Retry-After": "1"}
+            503, "the model replica is unavailable; retry shortly", code=UNAVAILABLE, headers={"Retry-After": "1"}
         )
     logger.exception("request failed in a model replica", exc_info=exc)
     return APIError(500, "internal error while generating the answer", code="internal_error")
+
+
+def may_have_reached_an_engine(exc: BaseException) -> bool:
+    """Whether a failed call to a replica may have been running in its engine.
+
+    A replica process that died (or went unreachable) during the call may have
+    been running it; the request may even be what killed it. A deployment with no
+    replica to take the call never started it. (An engine that dies under a live
+    replica is answered by the replica itself, ``engine_failed``.)
+    """
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    return isinstance(exc, RayActorError | ReplicaUnavailableError)
 
 
 async def stream_sse(
@@ -138,6 +164,8 @@ async def stream_sse(
                 record.outcome = chunk
                 continue
             events += chunk.count("data: ") if on_tokens else 0
+            if (error := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
+                record.failed(*error)
             yield chunk
     except DeadlineExceeded:
         error = deadline.expired()
@@ -167,16 +195,21 @@ async def relay(
     """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
 
     A stream's first chunk must come before the first-token deadline; a unary
-    answer, which is its whole first item, before the end deadline. A replica
-    that cannot serve (503: its engine died, or it went away) has sent the
-    client nothing, even if it had begun generating, so the request is sent
-    again, to whichever replica Serve picks, for up to ``retry_s`` seconds from
-    that first refusal; a replica whose engine died exits within seconds, and
-    each router drops it on its first failed call.
+    answer, which is its whole first item, before the end deadline.
+
+    Only what never reached an engine is sent again: a replica's refusal before
+    admission (503 ``unavailable``: its engine was already dead) or a deployment
+    with no replica, to whichever replica Serve picks, for up to ``retry_s``
+    seconds from the first refusal (a replica whose engine died exits within
+    seconds, and each router drops it on its first failed call). A request whose
+    engine died under it is answered once (``engine_failed``), since it may be
+    what killed the engine; a replica process that died during the call is tried
+    on one more replica at most, so no request can take down replica after replica.
     """
     streaming = bool(getattr(payload, "stream", False))
     first_by = deadline.first_token_at if streaming else deadline.end_at
-    retry_until: float | None = None  # set at the first refusal: a long answer cut by a dead engine may retry too
+    retry_until: float | None = None  # set at the first refusal
+    replica_deaths = 0  # calls that failed because their replica process died
 
     def give_up_at() -> float:
         nonlocal retry_until
@@ -186,6 +219,7 @@ async def relay(
 
     record.enter(Phase.QUEUED)
     while True:
+        record.attempts += 1
         responses = getattr(handle, method).remote(payload, trace_context(record.span))
         try:
             first = await next_before(responses, first_by)
@@ -201,15 +235,17 @@ async def relay(
             raise
         except Exception as exc:
             error = replica_failure(exc)
-            if error.status == 503 and await _before_retry(give_up_at()):
+            replica_deaths += may_have_reached_an_engine(exc)
+            if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
                 continue
             raise error from None
-        if isinstance(first, Reply) and first.status == 503 and await _before_retry(give_up_at()):
+        if isinstance(first, Reply) and first.code == UNAVAILABLE and await _before_retry(give_up_at()):
             continue
         break
     record.enter(Phase.RUNNING)
     if isinstance(first, Reply):
         record.outcome = first.outcome
+        record.error_code = first.code
         if on_tokens is not None and first.outcome is not None:
             on_tokens(first.outcome.total_tokens)
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
@@ -264,14 +300,23 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 only when every configured model has a running, healthy replica."""
-    models = await request.app.state.health_check()
-    if models and all(models.values()):
-        return JSONResponse({"status": "ok", "models": models})
-    down = ", ".join(sorted(name for name, ok in models.items() if not ok))
-    body = error_body(503, f"no healthy replica for: {down}", code="unavailable")
-    body["models"] = models
+    """Readiness: 200 only when every configured model has a running, healthy replica.
+
+    Answered from what :mod:`serve_app.readiness` last read, never by asking the
+    controller; ``age_s`` says how old that is.
+    """
+    readiness: Readiness = request.app.state.readiness.readiness()
+    age = None if readiness.age_s is None else round(readiness.age_s, 3)
+    if readiness.ready:
+        return JSONResponse({"status": "ok", "models": readiness.models, "age_s": age})
+    body = error_body(503, readiness.problem(), code=UNAVAILABLE)
+    body |= {"models": readiness.models, "age_s": age}
     return JSONResponse(body, status_code=503)
+
+
+async def alive(request: Request) -> Response:
+    """Liveness: the ingress process answers. Says nothing of the models (that is /health)."""
+    return JSONResponse({"status": "alive"})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -309,15 +354,16 @@ def default_endpoints() -> list[Endpoint]:
 def build_http_app(
     router: ModelRouter[Any],
     settings: HTTPSettings,
-    health_check: HealthCheck,
+    readiness: ReadinessSource,
     endpoints: list[Endpoint] | None = None,
 ) -> Starlette:
-    """The Starlette app the ingress deployment serves."""
+    """The Starlette app the ingress deployment serves; ``readiness`` runs while it does."""
     endpoints = endpoints or default_endpoints()
     routes = [generation_route(e) for e in endpoints]
     routes += [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", alive, methods=["GET"]),
     ]
     middleware = []
     if settings.cors is not None:  # outermost: a browser's preflight carries no API key
@@ -344,9 +390,19 @@ def build_http_app(
     )
     if settings.api_keys is not None:
         middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        readiness.start()
+        try:
+            yield
+        finally:
+            readiness.stop()
+
     app = Starlette(
         routes=routes,
         middleware=middleware,
+        lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,
             HTTPException: _http_error,
@@ -357,5 +413,5 @@ def build_http_app(
     )
     app.state.router = router
     app.state.settings = settings
-    app.state.health_check = health_check
+    app.state.readiness = readiness
     return app

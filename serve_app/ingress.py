@@ -3,13 +3,13 @@
 It stays thin: validate, route, stream bytes through. It holds one
 ``DeploymentHandle`` per model deployment and answers ``GET /health`` from
 Serve's own view of replica health (each model replica runs vLLM's engine
-health check every ``health_check_period_s``), so a health probe never queues
-behind generation requests.
+health check every ``health_check_period_s``), read in the background
+(:mod:`serve_app.readiness`), so a health probe never waits on the controller
+or queues behind generation requests.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from ray import serve
@@ -22,18 +22,8 @@ from serve_app.http import HTTPSettings, build_http_app
 from serve_app.observability import tracing
 from serve_app.observability.metrics import ServingMetrics
 from serve_app.rate_limits import KeyLimits
+from serve_app.readiness import ReadinessWatch
 from serve_app.router import ModelEntry, ModelRouter
-
-
-def running_models(status: Any, app_name: str, deployments: dict[str, str]) -> dict[str, bool]:
-    """For each model, whether its deployment has at least one RUNNING replica."""
-    application = status.applications.get(app_name)
-    result = {}
-    for model, deployment in deployments.items():
-        overview = application.deployments.get(deployment) if application else None
-        running = overview.replica_states.get("RUNNING", 0) if overview else 0
-        result[model] = running > 0
-    return result
 
 
 def key_limits(config: AppConfig, rate_limiter: Any) -> KeyLimits | None:
@@ -74,17 +64,12 @@ class Ingress:
             log_requests=config.ingress.log_requests,
             log_content=config.ingress.log_content,
         )
-        self.health_timeout_s = config.ingress.health_check_timeout_s
-        self.deployments = {m.name: m.deployment_name for m in config.models}
-        self.app_name = serve.get_replica_context().app_name
-
-    async def models_health(self) -> dict[str, bool]:
-        # serve.status() is a blocking call to the controller: keep it off the event loop.
-        try:
-            status = await asyncio.wait_for(asyncio.to_thread(serve.status), self.health_timeout_s)
-        except Exception:
-            return {name: False for name in self.deployments}
-        return running_models(status, self.app_name, self.deployments)
+        self.readiness = ReadinessWatch(
+            serve.status,
+            serve.get_replica_context().app_name,
+            {m.name: m.deployment_name for m in config.models},
+            max_age_s=config.ingress.health_max_age_s,
+        )
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        return build_http_app(self.router, self.settings, self.models_health)
+        return build_http_app(self.router, self.settings, self.readiness)

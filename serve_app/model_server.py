@@ -27,6 +27,7 @@ from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
 from serve_app.engine_watch import EngineWatch
 from serve_app.observability import tracing
+from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.streaming import Outcome, OutcomeTap, Reply, coalesce, end_on_error_event, is_error_event
 
 logger = logging.getLogger("ray.serve")
@@ -151,18 +152,19 @@ class ModelServer:
         except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
-            # An error from a dead engine is the replica's, not the request's: retryable.
-            yield _unavailable() if self.engine.errored else Reply.error(
+            # The engine died while it held this request, which may be what killed it: not retryable.
+            yield _engine_failed() if self.engine.errored else Reply.error(
                 result.error.code, result.error.message, result.error.param
             )
         elif isinstance(result, BaseModel):
             yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
         else:
             assert tap is not None
-            async with aclosing(coalesce(tap.tap(end_on_error_event(result)))) as stream:
+            events = self._engine_failure_events(end_on_error_event(result))
+            async with aclosing(coalesce(tap.tap(events))) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.engine.errored:
-                    yield _unavailable()  # died before the first token: the stream never began
+                    yield _engine_failed()  # before the first token: still a status, not a stream
                     return
                 if first is not None:
                     yield first
@@ -170,6 +172,13 @@ class ModelServer:
                     yield chunk
             if tap.outcome is not None:
                 yield tap.outcome
+
+    async def _engine_failure_events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's error event, when the engine died under it, says so (``engine_failed``)."""
+        async for chunk in chunks:
+            if is_error_event(chunk) and self.engine.errored:
+                chunk = sse_error_event(*_ENGINE_FAILED_ERROR).decode()
+            yield chunk
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""
@@ -241,6 +250,21 @@ def _close_replica_span(span: Any, outcome: Outcome | None, ttft_s: float | None
 
 
 def _unavailable() -> Reply:
-    """Not the request's fault, and nothing started: the ingress sends it again, and
-    this replica exits within seconds, so the retry lands on another (EngineWatch)."""
-    return Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")
+    """Refused before the engine saw it (the engine was already dead): the ingress sends it
+    again, and this replica exits within seconds, so the retry lands on another (EngineWatch)."""
+    return Reply.error(503, "the model engine on this replica died; retry shortly", code=UNAVAILABLE)
+
+
+_ENGINE_FAILED_ERROR = (
+    500,
+    "the model engine failed while it was generating this answer; the request was not retried, "
+    "in case it caused the failure",
+    ENGINE_FAILED,
+)
+
+
+def _engine_failed() -> Reply:
+    """The engine died while it held this request. The request may be what killed it (vLLM
+    has had inputs that crash it), so it is answered, once, and never sent to another replica."""
+    status, message, code = _ENGINE_FAILED_ERROR
+    return Reply.error(status, message, code=code)

@@ -20,7 +20,7 @@ import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from serve_app.errors import error_body
+from serve_app.errors import error_body, status_of
 
 DONE_EVENT = "data: [DONE]\n\n"
 _ERROR_EVENT_PREFIX = 'data: {"error"'
@@ -51,10 +51,11 @@ class Reply:
     status: int
     body: bytes
     outcome: Outcome | None = None
+    code: str | None = None  # an error's OpenAI ``code``, for the ingress's record (retry, metrics)
 
     @classmethod
     def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
-        return cls(status, json.dumps(error_body(status, message, param, code)).encode())
+        return cls(status, json.dumps(error_body(status, message, param, code)).encode(), code=code)
 
 
 class _End:
@@ -134,6 +135,22 @@ async def end_on_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def is_error_event(chunk: str) -> bool:
     return chunk.startswith(_ERROR_EVENT_PREFIX)
+
+
+def trailing_error(chunk: str) -> tuple[int, str | None] | None:
+    """The status and code of an error event ending ``chunk`` (chunks are joined events), else None.
+
+    An error event is always a stream's last event (:func:`end_on_error_event`),
+    so only the end of a chunk is looked at: one substring search per chunk.
+    """
+    at = chunk.rfind(_ERROR_EVENT_PREFIX)
+    if at < 0 or (at > 0 and not chunk.endswith("\n\n", 0, at)):
+        return None
+    try:
+        error = json.loads(chunk[at + len("data: ") :])["error"]
+        return status_of(error.get("type")), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 500, None
 
 
 def normalize_error_event(chunk: str) -> str:

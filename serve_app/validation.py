@@ -13,6 +13,7 @@ rules. Every failure is a 400 that names the parameter.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from typing import Any
@@ -63,12 +64,22 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if text.count("[") + text.count("{") > MAX_NESTING:  # only then can it nest too deeply
         check_nesting(text)
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # Python's own limit on integer literals (4300 digits)
+        raise APIError(400, "the request body holds a number with too many digits") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number as a float; ``1e999`` would become infinity, which JSON cannot express."""
+    value = float(literal)
+    if math.isinf(value):
+        raise APIError(400, f"the request body holds a number too large for a float: {quoted(literal)}")
+    return value
 
 
 def _reject_constant(name: str) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from typing import Any
 
+from serve_app.errors import ENGINE_FAILED
 from serve_app.observability.record import Phase, RequestRecord
 
 # Names as exported (Ray adds the "ray_" prefix); the dashboard test reads them from here.
@@ -26,6 +27,7 @@ COMPLETION_TOKENS = "glm4_serve_completion_tokens"
 REQUESTS = "glm4_serve_requests"
 REJECTED = "glm4_serve_rejected_requests"
 ABORTED = "glm4_serve_aborted_requests"
+ENGINE_FAILURES = "glm4_serve_engine_failures"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
@@ -77,6 +79,10 @@ class ServingMetrics:
             ABORTED, "Requests whose client left before the answer ended; generation was aborted.",
             tag_keys=("model", "phase"),
         )
+        self.engine_failures = Counter(
+            ENGINE_FAILURES, "Requests whose engine died while generating them; answered with an error, not retried.",
+            tag_keys=model,
+        )
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=model)
         self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=model)
         self._in_phase: Tally[tuple[str, Phase]] = Tally()
@@ -102,6 +108,8 @@ class ServingMetrics:
         )
         if record.status == 429:
             self.rejected.inc(tags=model | {"reason": record.error_code or "overloaded"})
+        if record.error_code == ENGINE_FAILED:
+            self.engine_failures.inc(tags=model)
         if record.aborted:
             self.aborted.inc(tags=model | {"phase": "streaming" if record.first_byte_at else "waiting"})
         if record.outcome is not None:
@@ -118,7 +126,7 @@ class ServingMetrics:
 def exported_names() -> set[str]:
     """Every sample name these metrics have in Prometheus text, as Ray exports them."""
     histograms = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
-    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED)
+    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED, ENGINE_FAILURES)
     names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
     names |= {f"ray_{c}_total" for c in counters}
     return names | {f"ray_{QUEUED}", f"ray_{RUNNING}"}

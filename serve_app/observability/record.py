@@ -43,6 +43,7 @@ class RequestRecord:
     phase: Phase = Phase.RECEIVED
     status: int | None = None
     error_code: str | None = None
+    attempts: int = 0  # calls made to model replicas: more than 1 means it was sent again
     first_byte_at: float | None = None
     ended_at: float | None = None
     completed: bool = False  # the last byte was written

@@ -30,6 +30,7 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
         "stream": record.stream,
         "status": record.status,
         "error": record.error_code,
+        "attempts": record.attempts,
         "finish_reason": record.finish_reason,
         "prompt_tokens": outcome.prompt_tokens if outcome else None,
         "completion_tokens": outcome.completion_tokens if outcome else None,

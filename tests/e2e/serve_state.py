@@ -8,7 +8,9 @@ back to a single running replica; ``single_replica`` is that wait.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -99,3 +101,19 @@ def death_reason(actor_id: str) -> str | None:
     if actor.state != "DEAD":
         return None
     return (actor.death_cause or {}).get("actor_died_error_context", {}).get("reason")
+
+
+def request_log_lines(session_dir: str, deployment: str = "Ingress") -> dict[str, dict[str, Any]]:
+    """The ingress's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
+
+    Read from every ingress replica's Serve log in the session's log directory,
+    as an operator would. Blocking: call it through ``asyncio.to_thread``.
+    """
+    lines = {}
+    for path in Path(session_dir, "logs", "serve").glob(f"replica_*_{deployment}_*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            head, sep, payload = line.partition(' -- {"event":"request"')
+            if sep:
+                request_id = head.split()[-1]
+                lines[request_id] = json.loads('{"event":"request"' + payload)
+    return lines

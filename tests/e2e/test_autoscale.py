@@ -1,11 +1,13 @@
 """Queue-length autoscaling on the real app: out to 2 replicas under load, back to 1 after.
 
-While two replicas run under load, one engine is killed: every answer it was
-generating or holding, and every request sent right after, must still reach its
-client complete (the dead replica refuses them as retryable, the ingress sends
-them again, and the dead replica leaves routing at its next health check). This rides on
-the scale-out because two running replicas are what it needs, and a second
-engine costs minutes of CPU here.
+While two replicas run under load, one engine is killed. Every answer it was
+generating or holding gets one explicit error (``engine_failed``) and is never
+sent to the other replica: the request may be what killed the engine. Every
+other request, and every request sent right after, reaches its client complete
+(the dead replica refuses what it had not admitted as retryable, and leaves
+routing within seconds). Exactly one replica dies. This rides on the scale-out
+because two running replicas are what it needs, and a second engine costs
+minutes of CPU here.
 
 It changes the replica count, so it runs with the other tests that disturb the
 app, and it leaves the app as it found it: one idle replica.
@@ -15,12 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import uuid
 
 import httpx
 import pytest
 import yaml
 
-from tests.e2e.serve_state import replica_engines, running, single_replica, wait_until
+from tests.e2e.serve_state import (
+    death_reason,
+    replica_engines,
+    request_log_lines,
+    running,
+    single_replica,
+    wait_until,
+)
 
 pytestmark = pytest.mark.disruptive
 
@@ -58,45 +68,66 @@ def chat(model: str, tokens: int, **extra) -> dict:
     } | extra
 
 
-async def test_scales_out_under_load_loses_nothing_when_an_engine_dies_and_scales_back(app, one_replica):
+async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(app, one_replica):
+    import ray
+
     config = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]["deployment"]
     assert config["max_ongoing_requests"] == 64 and config["autoscaling_config"]["target_ongoing_requests"] == 32
     stop = asyncio.Event()
-    answered = 0
+    answered: list[str] = []  # request ids answered in full
+    engine_failed: list[str] = []  # request ids whose engine died under them
 
     async def keep_busy() -> None:
-        nonlocal answered
         async with user_client(app.url) as client:
             while not stop.is_set():
-                response = await client.post("/v1/chat/completions", json=chat(app.model, 128))
+                request_id = uuid.uuid4().hex
+                response = await client.post(
+                    "/v1/chat/completions", json=chat(app.model, 128), headers={"X-Request-Id": request_id}
+                )
+                if response.status_code == 500 and response.json()["error"]["code"] == "engine_failed":
+                    engine_failed.append(request_id)
+                    continue
                 assert response.status_code == 200, response.text
                 assert response.json()["usage"]["completion_tokens"] == 128
-                answered += 1
+                answered.append(request_id)
 
     async def send_once(tokens: int) -> httpx.Response:
         async with user_client(app.url) as client:
             return await client.post("/v1/chat/completions", json=chat(app.model, tokens))
 
+    (first_replica,) = await asyncio.to_thread(replica_engines, one_replica)  # busy from the start
     workers = [asyncio.create_task(keep_busy()) for _ in range(CLIENTS)]
     try:
         # A second engine loads in 1-4 min on 2 cores busy with the load itself.
         out = await wait_until(lambda: running(one_replica, 2), timeout_s=480, what="scaled out to 2 running replicas")
-        print(f"scaled out in {out:.0f} s under {CLIENTS} clients ({answered} answers)")
-        # Under the same load, one of the two engines dies. Answers it was generating
-        # or holding are refused as retryable and sent again; none reaches a client
-        # as an error (every worker asserts a complete 200).
+        print(f"scaled out in {out:.0f} s under {CLIENTS} clients ({len(answered)} answers)")
+        # Under the same load, the engine of the first replica, which holds a full batch, dies.
         engines = await asyncio.to_thread(replica_engines, one_replica)
-        assert len(engines) == 2 and all(engines.values()), engines
-        victim = next(iter(engines.values()))
-        for process in victim:
+        assert len(engines) == 2 and all(engines.values()) and first_replica in engines, engines
+        victim, victim_engine = first_replica, engines[first_replica]
+        (survivor,) = set(engines) - {victim}
+        for process in victim_engine:
             process.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(lambda: [p.wait(timeout=30) for p in victim])
+        await asyncio.to_thread(lambda: [p.wait(timeout=30) for p in victim_engine])
         responses = await asyncio.gather(*(send_once(8) for _ in range(AFTER_DEATH)))
     finally:
         stop.set()
-        await asyncio.gather(*workers)  # every answer, before and after the engine died, was complete
+        await asyncio.gather(*workers)  # every other answer, before and after the engine died, was complete
     statuses = [r.status_code for r in responses]
     assert statuses == [200] * AFTER_DEATH, [r.text for r in responses if r.status_code != 200][:3]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    # Exactly one replica died, by its own exit after its engine's death.
+    assert await asyncio.to_thread(death_reason, victim) == "WORKER_DIED"
+    assert await asyncio.to_thread(death_reason, survivor) is None
+    # The answers the dead engine held were answered once each, never sent to another replica:
+    # the ingress's request log (by X-Request-Id) shows one attempt for each.
+    assert engine_failed, "the killed engine held no request"
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+    logged = await asyncio.to_thread(request_log_lines, session_dir)
+    assert all(i in logged for i in answered[-100:])  # the log names the requests it served
+    for request_id in engine_failed:
+        line = logged[request_id]
+        assert (line["status"], line["error"], line["attempts"]) == (500, "engine_failed", 1), line
     back = await single_replica(one_replica)
-    print(f"{answered} answers in all, none lost when an engine died; back to 1 replica in {back:.0f} s")
+    print(f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that died got one error each "
+          f"and never reached the other replica; back to 1 replica in {back:.0f} s")

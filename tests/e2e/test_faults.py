@@ -50,11 +50,15 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             engine.send_signal(signal.SIGKILL)
         streams = await asyncio.gather(*tasks)
 
-    # Each stream was cut and says so, or had finished in full before the kill, or had
-    # not started and was refused as retryable (no healthy replica to send it to).
+    # Each stream was cut and says so, or had finished in full before the kill, or was in
+    # the engine before its first token and got one explicit error (engine_failed: never
+    # retried), or had not reached the engine and was refused as retryable (no healthy
+    # replica to send it to).
     cut = 0
     for status, headers, events in streams:
-        if status != 200:
+        if status == 500:
+            assert json.loads(events[0])["error"]["code"] == "engine_failed", events
+        elif status != 200:
             assert status in (503, 504), (status, events)
             assert status == 504 or headers["retry-after"] == "1"
         elif events[-1] == "[DONE]":
@@ -62,7 +66,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             assert last["finish_reason"] == "length", f"a stream cut by a dead engine looks complete: {events[-3:]}"
         else:
             error = json.loads(events[-1])["error"]
-            assert error["message"] and error["type"]
+            assert error["message"] and error["code"] == "engine_failed", error
             cut += 1
     assert cut >= 1, f"no stream was under way when the engine died: {[(s, e[-1:]) for s, _, e in streams]}"
     print(f"{cut} of {len(streams)} streams were cut by the engine's death, each with an error event")
@@ -75,7 +79,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             )
             if response.status_code == 200:
                 break
-            # Meanwhile: a retryable refusal, never a 500.
+            # Meanwhile: a retryable refusal, never a 500 (it reached no engine).
             assert response.status_code in (503, 504), response.text
             assert response.status_code == 504 or response.headers["retry-after"] == "1"
             assert time.monotonic() - start < 360, f"no answer {time.monotonic() - start:.0f} s after the engine died"

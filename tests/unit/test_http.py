@@ -20,6 +20,7 @@ from serve_app.config import CORSConfig
 from serve_app.deadlines import TimeLimits
 from serve_app.http import HTTPSettings, build_http_app
 from serve_app.rate_limits import KeyLimits
+from serve_app.readiness import Readiness
 from serve_app.router import ModelEntry, ModelRouter
 from serve_app.streaming import Reply
 
@@ -79,6 +80,20 @@ class FakeHandle:
         return Method()
 
 
+class FixedReadiness:
+    """Stands in for ReadinessWatch: always the same answer."""
+
+    def __init__(self, answer: Readiness) -> None:
+        self.answer = answer
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def readiness(self) -> Readiness:
+        return self.answer
+
+
 def client_for(
     items: list[Any],
     limit: int = 1 << 20,
@@ -96,8 +111,7 @@ def client_for(
     handle = FakeHandle([items, *then])
     router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024)})
 
-    async def health_check():
-        return {"glm-4-9b-chat": healthy}
+    readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
 
     settings = HTTPSettings(
         max_request_body_bytes=limit,
@@ -109,7 +123,7 @@ def client_for(
         metrics=metrics,
         log_content=log_content,
     )
-    app = build_http_app(router, settings, health_check)
+    app = build_http_app(router, settings, readiness)
     return TestClient(app, raise_server_exceptions=False), handle
 
 
@@ -251,6 +265,34 @@ def test_health_reflects_model_replicas(healthy, status):
     response = client.get("/health")
     assert response.status_code == status
     assert response.json()["models"] == {"glm-4-9b-chat": healthy}
+    assert response.json()["age_s"] == 0.5
+
+
+def test_liveness_says_the_ingress_answers_whatever_the_models():
+    client, _ = client_for([], healthy=False)
+    assert client.get("/health").status_code == 503
+    response = client.get("/health/live")
+    assert response.status_code == 200 and response.json() == {"status": "alive"}
+
+
+def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
+    from serve_app.http import default_endpoints
+
+    events = []
+
+    class Recording(FixedReadiness):
+        def start(self) -> None:
+            events.append("start")
+
+        def stop(self) -> None:
+            events.append("stop")
+
+    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", None, 1024)})
+    settings = HTTPSettings(max_request_body_bytes=1024, time_limits=TimeLimits(600, 120))
+    readiness = Recording(Readiness({"glm-4-9b-chat": True}, age_s=0.1, max_age_s=30))
+    with TestClient(build_http_app(router, settings, readiness, default_endpoints())) as client:
+        assert events == ["start"] and client.get("/health").status_code == 200
+    assert events == ["start", "stop"]
 
 
 SHORT = TimeLimits(request_timeout_s=0.3, first_token_timeout_s=0.1)
@@ -367,9 +409,53 @@ def test_a_request_serve_cancelled_because_its_client_left_is_not_logged_as_an_e
     assert len(handle.payloads) == 1 and not caplog.records
 
 
-def test_an_answer_cut_by_a_dead_engine_after_a_while_is_still_sent_again():
-    # The window starts at the refusal, not at the request: here it comes after 0.6 s.
+def test_the_retry_window_starts_at_the_first_refusal():
+    # Not at the request: here the refusal comes after 0.6 s.
     client, handle = client_for([SLOW, UNAVAILABLE], then=[[Reply(200, b'{"id": "x"}')]], retry_s=0.55)
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200
     assert len(handle.payloads) == 2
+
+
+ENGINE_FAILED = Reply.error(500, "the engine failed under this request", code="engine_failed")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_engine_died_under_it_is_answered_once_never_sent_again(stream):
+    client, handle = client_for([ENGINE_FAILED], then=[[Reply(200, b'{"id": "x"}')]], retry_s=5)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
+    assert assert_openai_error(response, 500)["code"] == "engine_failed"
+    assert len(handle.payloads) == 1
+
+
+def test_a_stream_whose_engine_died_mid_answer_ends_with_its_error_and_is_counted():
+    from serve_app.errors import sse_error_event
+
+    from tests.unit.test_observability import RecordingMetrics
+
+    metrics = RecordingMetrics()
+    failed = sse_error_event(500, "the engine failed", "engine_failed").decode()
+    client, handle = client_for([FIRST, 'data: {"x": 1}\n\n' + failed], retry_s=5, metrics=metrics)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == 200 and response.text.endswith(failed) and "[DONE]" not in response.text
+    assert len(handle.payloads) == 1
+    [record] = metrics.records
+    assert (record.status, record.error_code) == (500, "engine_failed")
+
+
+def test_a_replica_process_that_died_during_the_call_is_tried_on_one_more_replica_at_most():
+    from ray.exceptions import ActorDiedError
+
+    client, handle = client_for([ActorDiedError()], retry_s=30)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert assert_openai_error(response, 503)["code"] == "unavailable"
+    assert len(handle.payloads) == 2
+
+
+def test_a_deployment_with_no_replica_is_tried_until_the_window_ends():
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    client, handle = client_for([DeploymentUnavailableError("model-glm")], retry_s=1.2)
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert assert_openai_error(response, 503)["code"] == "unavailable"
+    assert len(handle.payloads) == 3  # at 0, 0.5 and 1.0 s

@@ -1,0 +1,104 @@
+"""Readiness of the models, from Serve's view, kept fresh in the background.
+
+``GET /health`` must answer at once, whatever the load, and must not turn a
+slow Serve controller into an outage. Asking the controller per probe did both
+wrong: each probe was a blocking ``serve.status()`` call in a thread (a flood of
+probes piled threads up), and while the controller stalled (20-30 s under load
+on a small host) every ingress answered 503 together, so a load balancer would
+drop every backend at once.
+
+So one task per ingress replica asks the controller, one call at a time, and
+keeps the answer; ``/health`` reads what it kept, reports its age, and calls a
+model down only when Serve says so or when the controller has not answered for
+``max_age_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+REFRESH_S = 1.0  # between the end of one controller call and the start of the next
+
+
+def running_models(status: Any, app_name: str, deployments: dict[str, str]) -> dict[str, bool]:
+    """For each model, whether its deployment has at least one RUNNING replica."""
+    application = status.applications.get(app_name)
+    result = {}
+    for model, deployment in deployments.items():
+        overview = application.deployments.get(deployment) if application else None
+        running = overview.replica_states.get("RUNNING", 0) if overview else 0
+        result[model] = running > 0
+    return result
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """What ``/health`` answers: each model's state and how old that knowledge is."""
+
+    models: dict[str, bool]
+    age_s: float | None  # None: the controller has not answered yet
+    max_age_s: float
+
+    @property
+    def stale(self) -> bool:
+        return self.age_s is None or self.age_s > self.max_age_s
+
+    @property
+    def ready(self) -> bool:
+        return not self.stale and bool(self.models) and all(self.models.values())
+
+    def problem(self) -> str:
+        """Why the ingress is not ready (call only when it is not)."""
+        if self.age_s is None:
+            return "the state of the model replicas is not known yet"
+        if self.stale:
+            return f"the Serve controller has not answered for {self.age_s:.0f} s"
+        return "no healthy replica for: " + ", ".join(sorted(m for m, ok in self.models.items() if not ok))
+
+
+@dataclass
+class ReadinessWatch:
+    """Asks ``read_status`` (blocking: ``serve.status``) in a background task, one call at a time."""
+
+    read_status: Callable[[], Any]
+    app_name: str
+    deployments: dict[str, str]  # model name -> deployment name
+    max_age_s: float
+    refresh_s: float = REFRESH_S
+    _models: dict[str, bool] = field(default_factory=dict)
+    _fetched_at: float | None = None
+    _task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _refresh_forever(self) -> None:
+        failing = False
+        while True:
+            try:
+                status = await asyncio.to_thread(self.read_status)  # the only call in flight
+                self._models = running_models(status, self.app_name, self.deployments)
+                self._fetched_at = time.monotonic()
+                failing = False
+            except Exception as exc:
+                if not failing:  # once per outage, not once a second
+                    logger.warning("reading Serve's status for /health failed: %s", exc)
+                failing = True
+            await asyncio.sleep(self.refresh_s)
+
+    def readiness(self) -> Readiness:
+        """The current answer; no I/O."""
+        age = None if self._fetched_at is None else time.monotonic() - self._fetched_at
+        models = self._models or {name: False for name in self.deployments}
+        return Readiness(dict(models), age, self.max_age_s)

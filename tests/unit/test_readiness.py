@@ -1,0 +1,147 @@
+"""Readiness for GET /health: Serve's status read in the background, one controller call at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from ray.serve._private.common import ReplicaState
+from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+from serve_app.readiness import Readiness, ReadinessWatch, running_models
+
+
+def overview(**states: int) -> DeploymentStatusOverview:
+    return DeploymentStatusOverview(
+        status="HEALTHY",
+        status_trigger="CONFIG_UPDATE_COMPLETED",
+        replica_states={ReplicaState(name): count for name, count in states.items()},
+        message="",
+    )
+
+
+def status_with(deployments: dict) -> ServeStatus:
+    app = ApplicationStatusOverview(status="RUNNING", message="", last_deployed_time_s=0.0, deployments=deployments)
+    return ServeStatus(applications={"glm": app})
+
+
+DEPLOYMENTS = {"glm-4-9b-chat": "model-glm-4-9b-chat", "second": "model-second"}
+
+
+def test_model_with_a_running_replica_is_up_and_one_without_is_down():
+    status = status_with(
+        {"model-glm-4-9b-chat": overview(RUNNING=1, STARTING=1), "model-second": overview(STARTING=1)}
+    )
+    assert running_models(status, "glm", DEPLOYMENTS) == {"glm-4-9b-chat": True, "second": False}
+
+
+def test_missing_deployment_or_application_is_down():
+    assert running_models(status_with({}), "glm", DEPLOYMENTS) == {"glm-4-9b-chat": False, "second": False}
+    assert running_models(ServeStatus(), "glm", DEPLOYMENTS) == {"glm-4-9b-chat": False, "second": False}
+
+
+RUNNING_STATUS = status_with({"model-glm-4-9b-chat": overview(RUNNING=1), "model-second": overview(RUNNING=2)})
+
+
+class Controller:
+    """Stands in for ``serve.status``: answers at once, or stalls until released."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+        self.released.set()
+        self.fail = False
+
+    def __call__(self):
+        self.calls += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if not self.released.is_set():
+                self.stalled.set()
+                self.released.wait(10)
+            if self.fail:
+                raise ConnectionError("controller unreachable")
+            return RUNNING_STATUS
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.fixture
+def watches():
+    """Watches made by a test, stopped after it."""
+    made: list[ReadinessWatch] = []
+    yield made
+    for watch in made:
+        watch.stop()
+
+
+@pytest.fixture
+def watch_of(watches):
+    def make(controller: Controller, max_age_s: float = 30.0) -> ReadinessWatch:
+        watch = ReadinessWatch(controller, "glm", DEPLOYMENTS, max_age_s=max_age_s, refresh_s=0.01)
+        watches.append(watch)
+        return watch
+
+    return make
+
+
+async def wait_for(condition, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)  # poll interval of the condition above
+
+
+async def test_not_ready_until_the_controller_first_answers(watch_of):
+    controller = Controller()
+    controller.released.clear()
+    watch = watch_of(controller)
+    assert not watch.readiness().ready  # before the first answer
+    watch.start()
+    await asyncio.to_thread(controller.stalled.wait, 5)
+    readiness = watch.readiness()
+    assert not readiness.ready and readiness.age_s is None and "not known yet" in readiness.problem()
+    controller.released.set()
+    await wait_for(lambda: watch.readiness().ready)
+    assert watch.readiness().models == {"glm-4-9b-chat": True, "second": True}
+
+
+async def test_a_stalled_controller_keeps_the_last_answer_with_its_age_and_one_call_in_flight(watch_of):
+    controller = Controller()
+    watch = watch_of(controller, max_age_s=0.5)
+    watch.start()
+    await wait_for(lambda: watch.readiness().ready)
+    controller.released.clear()
+    await asyncio.to_thread(controller.stalled.wait, 5)
+    calls = controller.calls
+    for _ in range(1000):  # a flood of probes: answered from memory, no call each
+        assert watch.readiness().ready or watch.readiness().stale
+    await asyncio.sleep(0.2)
+    assert controller.calls == calls and controller.most_in_flight == 1
+    await wait_for(lambda: watch.readiness().stale)  # past max_age_s: no longer claimed ready
+    readiness = watch.readiness()
+    assert not readiness.ready and "has not answered for" in readiness.problem()
+    controller.released.set()
+    await wait_for(lambda: watch.readiness().ready)
+
+
+async def test_a_failing_controller_is_logged_once_and_ages_out(caplog, watch_of):
+    controller = Controller()
+    controller.fail = True
+    watch = watch_of(controller, max_age_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        watch.start()
+        await wait_for(lambda: controller.calls >= 5)
+    assert len([r for r in caplog.records if "reading Serve's status" in r.getMessage()]) == 1
+    assert not watch.readiness().ready
+
+
+def test_a_model_without_a_running_replica_is_named():
+    readiness = Readiness({"glm-4-9b-chat": True, "second": False}, age_s=1.0, max_age_s=30)
+    assert not readiness.ready and readiness.problem() == "no healthy replica for: second"
