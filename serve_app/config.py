@@ -23,6 +23,9 @@ from serve_app.glm4.format import check_dtype
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
+INGRESS_MAX_QUEUED_REQUESTS = 1024
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -108,6 +111,18 @@ class ModelConfig(_Strict):
         description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...).",
     )
     stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The ceiling on one answer's tokens: vLLM's ``override_generation_config.max_new_tokens``.
+
+        vLLM gives a request without ``max_tokens`` this or what the context leaves,
+        whichever is smaller, and silently lowers a larger ``max_tokens`` to it; the
+        ingress answers that larger one with a 400 instead.
+        """
+        override = self.engine_args.get("override_generation_config") or {}
+        value = override.get("max_new_tokens")
+        return value if isinstance(value, int) else None
 
     @field_validator("name")
     @classmethod
@@ -259,6 +274,17 @@ class IngressConfig(_Strict):
         gt=0,
         description="Larger request bodies get 413 before they are parsed.",
     )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest a client may take to send its request body; past it, 408 (slow uploads).",
+    )
+    max_n: int = Field(
+        default=8,
+        ge=1,
+        description="Most choices (n) one request may ask for: each is its own sequence in the engine's "
+        "batch, so one request cannot take a replica's whole batch; more is a 400.",
+    )
     health_max_age_s: float = Field(
         default=30.0,
         gt=0,
@@ -302,6 +328,8 @@ class IngressConfig(_Strict):
         """Deployment options; an ingress replica being replaced drains its streams too."""
         options = dict(self.deployment)
         options.setdefault("graceful_shutdown_timeout_s", self.request_timeout_s)
+        # Past this many requests waiting for an ingress replica, Serve's proxy answers 503 at once.
+        options.setdefault("max_queued_requests", INGRESS_MAX_QUEUED_REQUESTS)
         return options
 
 

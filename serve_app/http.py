@@ -42,7 +42,7 @@ from serve_app.rate_limits import KeyLimits
 from serve_app.readiness import Readiness
 from serve_app.router import ModelRouter
 from serve_app.streaming import Outcome, Reply, trailing_error
-from serve_app.validation import check_output_fits, decode_body, parse_request
+from serve_app.validation import check_choices, check_output_fits, decode_body, parse_request
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,6 +74,8 @@ class Endpoint:
 class HTTPSettings:
     max_request_body_bytes: int
     time_limits: TimeLimits
+    body_timeout_s: float = 30.0  # longest a client may take to send its body
+    max_n: int = 8  # most choices one request may ask for
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
@@ -89,18 +91,22 @@ class HTTPSettings:
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw request body, refusing oversized bodies before reading them whole."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The raw request body, refusing oversized bodies before reading them whole, and slow ones."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
     return b"".join(chunks)
 
 
@@ -271,14 +277,16 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     record: RequestRecord = request.state.record  # opened by ObserveRequests
     record.key_id = getattr(request.state, "api_key_id", None)
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
-    body = decode_body(await read_body(request, state.settings.max_request_body_bytes))
+    settings: HTTPSettings = state.settings
+    body = decode_body(await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s))
     entry = state.router.route(body.get("model"))
     record.model = entry.name
     payload = parse_request(endpoint.request_model, body)
     record.request_id, record.stream = payload.request_id, bool(getattr(payload, "stream", False))
     if record.keep_content:
         record.request_body = body
-    check_output_fits(body, entry.max_model_len)
+    check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
+    check_choices(body, settings.max_n)
     on_tokens = None
     if (limits := state.settings.key_limits) is not None:
         key_id = request.state.api_key_id  # set by the API-key middleware, which limits require

@@ -44,13 +44,18 @@ class Ingress:
             {
                 # Streaming handles, made once: every call is answered by a generator.
                 m.name: ModelEntry(
-                    m.name, handles[m.name].options(stream=True), m.engine_args.get("max_model_len")
+                    m.name,
+                    handles[m.name].options(stream=True),
+                    m.engine_args.get("max_model_len"),
+                    m.max_output_tokens,
                 )
                 for m in config.models
             }
         )
         self.settings = HTTPSettings(
             max_request_body_bytes=config.ingress.max_request_body_bytes,
+            body_timeout_s=config.ingress.body_timeout_s,
+            max_n=config.ingress.max_n,
             time_limits=TimeLimits(
                 request_timeout_s=config.ingress.request_timeout_s,
                 first_token_timeout_s=config.ingress.first_token_timeout_s,

@@ -21,6 +21,7 @@ class ModelEntry(Generic[H]):
     name: str
     handle: H
     max_model_len: int | None = None
+    max_output_tokens: int | None = None  # the model's ceiling on one answer's tokens (None: the context)
 
 
 @dataclass

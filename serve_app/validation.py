@@ -143,19 +143,32 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     return payload
 
 
-def check_output_fits(body: dict[str, Any], max_model_len: int | None) -> None:
-    """A ``max_tokens`` above the whole context can never be honoured: 400 before any replica sees it.
+def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_output_tokens: int | None = None) -> None:
+    """A ``max_tokens`` above the model's ceiling or its whole context: 400 before any replica sees it.
 
     (The replica then checks prompt plus ``max_tokens``, which needs the prompt's tokens.)
     """
-    if max_model_len is None:
-        return
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
-        if type(value) is int and value > max_model_len:
+        if type(value) is not int:
+            continue
+        if max_output_tokens is not None and value > max_output_tokens:
+            raise APIError(
+                400, f"{name} is {value}; this server answers with at most {max_output_tokens} tokens", param=name
+            )
+        if max_model_len is not None and value > max_model_len:
             raise APIError(
                 400, f"{name} is {value}; the model's context is {max_model_len} tokens", param=name
             )
+
+
+def check_choices(body: dict[str, Any], max_n: int) -> None:
+    """Each choice is a sequence in the engine's batch: one request may not take the whole batch."""
+    n = body.get("n")
+    if type(n) is int and n > max_n:
+        raise APIError(
+            400, f"n is {n}; this server answers at most {max_n} choices per request", param="n"
+        )
 
 
 def check_roles(messages: Any) -> None:

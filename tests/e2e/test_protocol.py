@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import yaml
 
 from tests.e2e.sse import post_stream
 
@@ -138,3 +139,20 @@ async def test_prompt_over_the_context_is_400_with_both_numbers(app, client):
 async def test_server_still_answers_after_bad_requests(app, client):
     response = await client.post("/v1/chat/completions", json=chat(app.model))
     assert response.status_code == 200
+
+
+async def test_answer_length_is_bounded_by_the_models_ceiling(app, client):
+    """deploy/config.cpu.yaml caps answers at 1000 tokens (vLLM's override_generation_config.max_new_tokens)."""
+    config = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]
+    ceiling = config["engine_args"]["override_generation_config"]["max_new_tokens"]
+    over = await client.post("/v1/chat/completions", json=chat(app.model) | {"max_tokens": ceiling + 1})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+    assert f"at most {ceiling} tokens" in over.json()["error"]["message"]
+    # Without max_tokens: the ceiling, or what the 1024-token context leaves after the prompt.
+    body = {"model": app.model, "messages": [{"role": "user", "content": "hello"}], "ignore_eos": True}
+    answer = (await client.post("/v1/chat/completions", json=body)).json()
+    prompt = answer["usage"]["prompt_tokens"]
+    assert answer["usage"]["completion_tokens"] == min(ceiling, 1024 - prompt)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    many = await client.post("/v1/chat/completions", json=chat(app.model) | {"n": 9})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"

@@ -152,3 +152,16 @@ def test_stream_batching_can_be_turned_off_and_is_validated():
         parse_app_config(minimal(stream_batching={"max_tokens_per_chunk": 0}))
     with pytest.raises(ConfigError, match=r"stream_batching.every"):
         parse_app_config(minimal(stream_batching={"every": 2}))
+
+
+def test_work_a_request_may_ask_for_is_bounded_by_default():
+    config = parse_app_config(minimal())
+    assert config.ingress.max_n == 8 and config.ingress.body_timeout_s == 30
+    assert config.ingress.resolved_deployment()["max_queued_requests"] == 1024
+    assert config.models[0].max_output_tokens is None  # the context decides
+    capped = minimal(engine_args={"model": "m", "max_num_seqs": 8, "override_generation_config": {"max_new_tokens": 64}})
+    assert parse_app_config(capped).models[0].max_output_tokens == 64
+
+
+def test_production_caps_answers_at_8192_tokens():
+    assert parse_app_config(app_args("config.yaml")).models[0].max_output_tokens == 8192

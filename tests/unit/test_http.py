@@ -106,10 +106,12 @@ def client_for(
     key_limits: KeyLimits | None = None,
     metrics: Any = None,
     log_content: bool = False,
+    max_output_tokens: int | None = None,
+    body_timeout_s: float = 30.0,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
-    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024)})
+    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
 
     readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
 
@@ -117,6 +119,7 @@ def client_for(
         max_request_body_bytes=limit,
         time_limits=limits or TimeLimits(600, 120),
         unavailable_retry_s=retry_s,
+        body_timeout_s=body_timeout_s,
         api_keys=api_keys,
         cors=cors,
         key_limits=key_limits,
@@ -459,3 +462,42 @@ def test_a_deployment_with_no_replica_is_tried_until_the_window_ends():
     response = client.post("/v1/chat/completions", json=CHAT)
     assert assert_openai_error(response, 503)["code"] == "unavailable"
     assert len(handle.payloads) == 3  # at 0, 0.5 and 1.0 s
+
+
+@pytest.mark.parametrize(("n", "status"), [(8, 200), (9, 400), (128, 400)])
+def test_choices_per_request_are_bounded(n, status):
+    client, handle = client_for([Reply(200, b'{"id": "x"}')])
+    response = client.post("/v1/chat/completions", json=CHAT | {"n": n})
+    assert response.status_code == status
+    if status == 400:
+        assert "at most 8 choices" in assert_openai_error(response, 400, "n")["message"] and not handle.payloads
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_an_answer_longer_than_the_models_ceiling_is_400_naming_it(param):
+    client, handle = client_for([Reply(200, b'{"id": "x"}')], max_output_tokens=256)
+    assert client.post("/v1/chat/completions", json=CHAT | {param: 256}).status_code == 200
+    error = assert_openai_error(client.post("/v1/chat/completions", json=CHAT | {param: 257}), 400, param)
+    assert "at most 256 tokens" in error["message"] and len(handle.payloads) == 1
+
+
+async def test_a_body_that_arrives_too_slowly_is_408():
+    client, handle = client_for([Reply(200, b'{"id": "x"}')], body_timeout_s=0.3)
+    parts = [b'{"model": "glm-4-9b-chat", ', b'"messages": [{"role": "user", "content": "hi"}]}']
+
+    async def receive() -> dict:  # a client that sends half its body, then stalls
+        if len(parts) == 2:
+            return {"type": "http.request", "body": parts.pop(0), "more_body": True}
+        await asyncio.sleep(0.6)
+        return {"type": "http.request", "body": parts.pop(0), "more_body": False}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1)}
+    await client.app(scope, receive, send)
+    assert sent[0]["status"] == 408 and b"body_timeout" in sent[1]["body"] and not handle.payloads
