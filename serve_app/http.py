@@ -88,6 +88,7 @@ class HTTPSettings:
     log_content: bool = False  # ... with the prompt and the completion in it
 
 
+LARGE_BODY_BYTES = 256 * 1024  # bodies above this are parsed in a worker thread
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
 
 
@@ -278,10 +279,14 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     record.key_id = getattr(request.state, "api_key_id", None)
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     settings: HTTPSettings = state.settings
-    body = decode_body(await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s))
+    raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
+    # Parsing and validating megabytes takes tens of milliseconds: not on the loop that relays streams.
+    large = len(raw) > LARGE_BODY_BYTES
+    body = await asyncio.to_thread(decode_body, raw) if large else decode_body(raw)
     entry = state.router.route(body.get("model"))
     record.model = entry.name
-    payload = parse_request(endpoint.request_model, body)
+    model = endpoint.request_model
+    payload = await asyncio.to_thread(parse_request, model, body) if large else parse_request(model, body)
     record.request_id, record.stream = payload.request_id, bool(getattr(payload, "stream", False))
     if record.keep_content:
         record.request_body = body

@@ -58,6 +58,7 @@ HOSTILE: list[Hostile] = [
     Hostile("NaN", encoded(chat())[:-1] + b', "temperature": NaN}', 400),
     Hostile("Infinity", encoded(chat())[:-1] + b', "top_p": Infinity}', 400),
     Hostile("nested 100000 deep", nested(100_000), 400),
+    Hostile("150000 empty arrays", encoded(chat(metadata=[[]] * 150_000)), 400),
     Hostile("integer of 5000 digits", encoded(chat())[:-1] + b', "max_tokens": ' + b"9" * 5000 + b"}", 400),
     Hostile("1e999 (infinity)", encoded(chat())[:-1] + b', "temperature": 1e999}', 400),
     Hostile("-1e999 (minus infinity)", encoded(chat())[:-1] + b', "top_p": -1e999}', 400),

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 
 from serve_app.errors import APIError
 from serve_app.streaming import Reply
-from serve_app.validation import MAX_NESTING, decode_body, parameter_path
-from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, HOSTILE, MODEL, Hostile, chat
+from serve_app.validation import MAX_CONTAINERS, MAX_NESTING, decode_body, parameter_path, structure
+from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, HOSTILE, MODEL, Hostile, chat, encoded
 from tests.request_strategies import request_bodies
 from tests.unit.test_http import assert_openai_error, client_for
 
@@ -97,6 +97,35 @@ def test_valid_completion_requests_pass(app, body):
 def test_brackets_inside_strings_do_not_count_as_nesting():
     body = json.dumps(chat(messages=[{"role": "user", "content": "[{" * 1000}])).encode()
     assert decode_body(body)["messages"][0]["content"].startswith("[{")
+
+
+@pytest.mark.parametrize(
+    ("text", "depth", "containers"),
+    [
+        (b'"[[{"', 0, 0),
+        (b'{"a": "[[", "b": [[{}]], "c": "\\"[["}', 4, 4),  # an escaped quote does not end a string
+        (b'["\\\\", [1]]', 2, 2),  # an escaped backslash does not escape the quote after it
+        (b"[]" * 5, 1, 5),
+    ],
+)
+def test_structure_counts_brackets_outside_strings_only(text, depth, containers):
+    assert structure(text) == (depth, containers)
+
+
+def test_container_limit_is_exact():
+    def arrays(n: int) -> bytes:  # the body, messages' array and object, metadata, and n - 4 more
+        return encoded(chat(metadata=[[] for _ in range(n - 4)]))
+
+    decode_body(arrays(MAX_CONTAINERS))
+    with pytest.raises(APIError, match="more than 100000 arrays and objects"):
+        decode_body(arrays(MAX_CONTAINERS + 1))
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_and_answered(app):
+    client, handle = app
+    sent = len(handle.payloads)
+    response = client.post(CHAT_PATH, json=chat(messages=[{"role": "user", "content": "x" * 400_000}]))
+    assert response.status_code == 200 and len(handle.payloads) == sent + 1
 
 
 def test_nesting_limit_is_exact():
