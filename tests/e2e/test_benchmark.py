@@ -33,3 +33,22 @@ async def test_vllm_bench_serve_measures_the_app(app, tmp_path):
     result = await asyncio.to_thread(vllm_bench_serve, argv)  # it runs its own event loop
     assert (result["completed"], result["failed"]) == (8, 0), result.get("errors")
     assert result["total_output_tokens"] == 8 * 8
+
+
+async def test_hostile_bodies_benchmark_streams_while_bodies_are_refused(app):
+    """Small and short here; the figures in the docs come from its defaults (8 MB at 10/s)."""
+    from benchmarks.hostile_bodies import main as hostile_bodies
+
+    argv = ["--url", app.url, "--model", app.model, "--tokens", "64", "--body-bytes", "400000", "--per-second", "4"]
+    result = await asyncio.to_thread(hostile_bodies, argv)
+    assert result["quiet"]["ok"] and result["under hostile bodies"]["ok"], result
+    assert set(result["hostile"]["statuses"]) == {400}, result["hostile"]  # every hostile body refused
+
+
+async def test_health_under_burst_benchmark_probes_while_requests_run(app):
+    from benchmarks.health_under_burst import main as health_under_burst
+
+    argv = ["--url", app.url, "--model", app.model, "--burst", "16", "--tokens", "8", "--poll-ms", "20"]
+    result = await asyncio.to_thread(health_under_burst, argv)
+    assert result["burst"]["statuses"] == {200: 16}, result["burst"]
+    assert result["health"]["probes"] >= 1 and set(result["health"]["statuses"]) == {200}

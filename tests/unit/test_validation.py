@@ -168,3 +168,15 @@ def test_fuzzed_bodies_never_get_a_5xx(app, request: tuple[str, bytes]):
     client, handle = app
     sent = len(handle.payloads)
     check_answer(client.post(path, content=body), handle, sent)
+
+
+def test_every_body_the_hostile_benchmark_sends_is_refused_by_the_ingress(app):
+    """What benchmarks.hostile_bodies measures is the ingress's cost of refusing, nothing else."""
+    from benchmarks.hostile_bodies import hostile_bodies
+
+    client, handle = app
+    sent = len(handle.payloads)
+    for name, body in hostile_bodies(MODEL, 400_000).items():
+        response = client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, (name, response.text[:200])
+    assert len(handle.payloads) == sent
