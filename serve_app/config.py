@@ -111,6 +111,13 @@ class ModelConfig(_Strict):
         description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...).",
     )
     stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
+    engine_stall_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="An engine that holds requests and has produced no output for this long is taken "
+        "as hung: its requests get errors and the replica is replaced. Several times the slowest "
+        "engine step (a 128K-token prefill takes seconds on a GPU); below ingress.request_timeout_s.",
+    )
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -352,6 +359,18 @@ class AppConfig(_Strict):
     def _limits_have_keys(self) -> AppConfig:
         if self.ingress.rate_limits is not None and self.ingress.api_keys is None:
             raise ValueError("ingress.rate_limits are per API key: set ingress.api_keys too")
+        return self
+
+    @model_validator(mode="after")
+    def _stalls_are_caught_before_requests_time_out(self) -> AppConfig:
+        limit = self.ingress.request_timeout_s
+        for i, model in enumerate(self.models):
+            if model.engine_stall_timeout_s >= limit:
+                raise ValueError(
+                    f"models.{i}.engine_stall_timeout_s ({model.engine_stall_timeout_s:g}) is not below "
+                    f"ingress.request_timeout_s ({limit:g}): every request would time out before a hung "
+                    "engine is noticed"
+                )
         return self
 
     @model_validator(mode="after")

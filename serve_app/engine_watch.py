@@ -1,4 +1,4 @@
-"""A model replica whose engine died leaves the cluster at once.
+"""A model replica whose engine died, or hung, leaves the cluster at once.
 
 Serve's health check would replace it too, but only after three failed checks
 made by the controller, whose loop stalls for tens of seconds on a busy host (it
@@ -7,6 +7,13 @@ the dead replica requests it can only refuse, and the ingress's retries run out.
 A replica process that has exited is dropped by each router on the first call or
 queue-length probe that fails, and Serve's next health check sees a crashed
 actor and starts a replacement without waiting for three failures.
+
+An engine can also hang without dying (a stuck collective, a wedged worker):
+it holds requests and produces nothing, and vLLM's ``errored`` flag stays
+false. So the watch also reads when the engine last produced output
+(:class:`EngineProgress`, fed by vLLM's stat-logger hook after every engine
+step): holding requests with no output for ``stall_timeout_s`` counts as a
+death, after the requests it holds are given errors.
 """
 
 from __future__ import annotations
@@ -25,18 +32,46 @@ DRAIN_S = 5.0  # for the requests the dead engine was serving to send their erro
 
 
 @dataclass
-class EngineWatch:
-    """Counts the calls a replica is answering and ends its process when its engine dies.
+class EngineProgress:
+    """When the engine last produced output, or was last seen idle (monotonic seconds)."""
 
-    ``engine_dead`` reads the engine's flag; ``leave`` ends the process (in tests,
-    records that it was called).
+    last_output_at: float = field(default_factory=time.monotonic)
+
+    def saw_output(self) -> None:
+        self.last_output_at = time.monotonic()
+
+
+@dataclass
+class EngineWatch:
+    """Counts the calls a replica is answering and ends its process when its engine dies or hangs.
+
+    ``engine_dead`` reads the engine's flag; ``held`` the requests the engine
+    holds; ``fail_requests`` gives each of them an error; ``leave`` ends the
+    process (in tests, records that it was called).
     """
 
     engine_dead: Callable[[], bool]
     leave: Callable[[], object]
+    held: Callable[[], int] = lambda: 0
+    fail_requests: Callable[[], object] = lambda: None
+    stall_timeout_s: float | None = None
+    progress: EngineProgress = field(default_factory=EngineProgress)
     ongoing: int = 0
     stopping: bool = False  # set when Serve stops the replica: its engine shuts down on purpose
+    stalled: bool = False  # the engine held requests and produced nothing for stall_timeout_s
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def failed(self) -> bool:
+        """The engine can no longer answer: it died, or it hung."""
+        return self.stalled or self.engine_dead()
+
+    def _stall_seconds(self) -> float:
+        """How long the engine has held requests without producing output (0 while idle)."""
+        if self.held() == 0:
+            self.progress.saw_output()  # idle is not stuck: the clock starts with the next request
+            return 0.0
+        return time.monotonic() - self.progress.last_output_at
 
     @contextmanager
     def call(self) -> Iterator[None]:
@@ -52,10 +87,21 @@ class EngineWatch:
 
     async def watch(self, poll_s: float = POLL_S, drain_s: float = DRAIN_S) -> None:
         while not self.engine_dead():
+            if self.stall_timeout_s is not None and self._stall_seconds() > self.stall_timeout_s:
+                self.stalled = True
+                break
             await asyncio.sleep(poll_s)
         if self.stopping:
             return
-        logger.error("the vLLM engine died: this replica answers its %d calls with errors, then exits", self.ongoing)
+        if self.stalled:
+            logger.error(
+                "the vLLM engine holds %d requests and has produced nothing for %.0f s: taken as hung; "
+                "this replica answers its %d calls with errors, then exits",
+                self.held(), self._stall_seconds(), self.ongoing,
+            )
+            self.fail_requests()
+        else:
+            logger.error("the vLLM engine died: this replica answers its %d calls with errors, then exits", self.ongoing)
         drain_by = time.monotonic() + drain_s
         while self.ongoing and time.monotonic() < drain_by:
             await asyncio.sleep(poll_s / 5)

@@ -25,7 +25,7 @@ from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
-from serve_app.engine_watch import EngineWatch
+from serve_app.engine_watch import EngineProgress, EngineWatch
 from serve_app.observability import tracing
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.streaming import Outcome, OutcomeTap, Reply, coalesce, end_on_error_event, is_error_event
@@ -58,6 +58,7 @@ class ModelServer:
         self.stream_batching = model.stream_batching
         tracing.configure_tracing()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        progress = EngineProgress()
         engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
         frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
         engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
@@ -70,7 +71,7 @@ class ModelServer:
             enable_log_requests=engine_args.enable_log_requests,
             # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
             # with this replica's id). `disable_log_stats` only silences the periodic log line.
-            stat_loggers=[RayPrometheusStatLogger],
+            stat_loggers=[RayPrometheusStatLogger, progress_stat_logger(progress)],
             disable_log_stats=engine_args.disable_log_stats,
         )
         # vLLM's serving objects read a flat namespace of front-end and engine
@@ -92,7 +93,14 @@ class ModelServer:
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.watch = EngineWatch(engine_dead=lambda: self.engine.errored, leave=self._leave)
+        self.watch = EngineWatch(
+            engine_dead=lambda: self.engine.errored,
+            leave=self._leave,
+            held=self.engine.get_num_unfinished_requests,
+            fail_requests=self._fail_requests,
+            stall_timeout_s=model.engine_stall_timeout_s,
+            progress=progress,
+        )
         self.watch.start()
         logger.info(
             "model %s ready (max_model_len=%d, eos/stop token ids=%s)", model.name, self.max_model_len, stop_ids
@@ -140,7 +148,7 @@ class ModelServer:
             create_error_response,
         )
 
-        if self.engine.errored:
+        if self.watch.failed:
             yield _unavailable()
             return
         tap = _outcome_tap(request) if getattr(request, "stream", False) else None
@@ -153,7 +161,7 @@ class ModelServer:
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
             # The engine died while it held this request, which may be what killed it: not retryable.
-            yield _engine_failed() if self.engine.errored else Reply.error(
+            yield _engine_failed() if self.watch.failed else Reply.error(
                 result.error.code, result.error.message, result.error.param
             )
         elif isinstance(result, BaseModel):
@@ -163,7 +171,7 @@ class ModelServer:
             events = self._engine_failure_events(end_on_error_event(result))
             async with aclosing(coalesce(tap.tap(events))) as stream:
                 first = await anext(stream, None)
-                if first is not None and is_error_event(first) and self.engine.errored:
+                if first is not None and is_error_event(first) and self.watch.failed:
                     yield _engine_failed()  # before the first token: still a status, not a stream
                     return
                 if first is not None:
@@ -176,13 +184,13 @@ class ModelServer:
     async def _engine_failure_events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """A stream's error event, when the engine died under it, says so (``engine_failed``)."""
         async for chunk in chunks:
-            if is_error_event(chunk) and self.engine.errored:
+            if is_error_event(chunk) and self.watch.failed:
                 chunk = sse_error_event(*_ENGINE_FAILED_ERROR).decode()
             yield chunk
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""
-        await self.engine.check_health()
+        await self.check_health()
         return self.model_name
 
     async def in_flight(self) -> int:
@@ -194,8 +202,16 @@ class ModelServer:
         return self.engine.get_num_unfinished_requests()
 
     async def check_health(self) -> None:
-        """Serve's health check: a dead engine makes Serve replace this replica (if it has not left already)."""
+        """Serve's health check: a dead or hung engine makes Serve replace this replica (if it has not left)."""
+        if self.watch.stalled:
+            raise RuntimeError("the vLLM engine is hung: it holds requests and produces no output")
         await self.engine.check_health()
+
+    def _fail_requests(self) -> None:
+        """Give every request the hung engine holds an error, as vLLM does when its engine dies."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.engine.output_processor.propagate_error(EngineDeadError("the engine stopped making progress"))
 
     def _leave(self) -> None:
         """End this replica's process (its engine died); see :mod:`serve_app.engine_watch`."""
@@ -212,6 +228,24 @@ class ModelServer:
 
 
 Answer = Reply | str | Outcome  # what a replica's generator yields (see serve_app.streaming)
+
+
+def progress_stat_logger(progress: EngineProgress) -> Any:
+    """A vLLM stat logger (vLLM calls ``record`` after every engine step) that feeds ``progress``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineProgressLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            progress.saw_output()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineProgressLogger
 
 
 def _outcome_tap(request: Any) -> OutcomeTap:

@@ -203,9 +203,11 @@ async def test_unary_answer_past_its_time_limit_is_504_and_aborted(app, one_repl
 
 
 BURST = 480  # far above one replica's 64 running + 256 queued
-# Short answers: the last of the 320 admitted must finish within the CPU config's 60 s
-# request limit even while the burst's own scale-out loads a second engine on the cores.
-BURST_TOKENS = 8
+# Long enough that the queue cannot drain while the burst is still arriving (its 480
+# requests reach the replica over a second or two; 8-token answers once let every one
+# in), short enough that the last of the 320 admitted finishes within the CPU config's
+# 60 s request limit even while the burst's own scale-out loads a second engine.
+BURST_TOKENS = 32
 
 
 @pytest.mark.disruptive  # it scales the deployment out

@@ -109,4 +109,4 @@ async def test_every_dashboard_query_names_a_metric_the_app_exports(app, metrics
     wait_until(exported, within_s=60, what=f"every dashboard metric in the scrape: {sorted(wanted)}")
 
 
-EVENT_ONLY = {f"ray_{metrics.REJECTED}_total", f"ray_{metrics.ABORTED}_total"}
+EVENT_ONLY = {f"ray_{metrics.REJECTED}_total", f"ray_{metrics.ABORTED}_total", f"ray_{metrics.ENGINE_FAILURES}_total"}

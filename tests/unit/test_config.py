@@ -165,3 +165,11 @@ def test_work_a_request_may_ask_for_is_bounded_by_default():
 
 def test_production_caps_answers_at_8192_tokens():
     assert parse_app_config(app_args("config.yaml")).models[0].max_output_tokens == 8192
+
+
+def test_a_hung_engine_must_be_noticed_before_requests_time_out():
+    assert parse_app_config(minimal()).models[0].engine_stall_timeout_s == 60
+    args = minimal(engine_stall_timeout_s=90)
+    args["ingress"] = {"request_timeout_s": 90}
+    with pytest.raises(ConfigError, match=r"engine_stall_timeout_s \(90\) is not below ingress.request_timeout_s"):
+        parse_app_config(args)

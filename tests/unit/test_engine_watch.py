@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from serve_app.engine_watch import EngineWatch
 
@@ -89,3 +90,39 @@ def test_a_failing_call_still_counts_down() -> None:
     except ValueError:
         pass
     assert watch.ongoing == 0
+
+
+async def test_an_engine_that_holds_requests_and_produces_nothing_is_taken_as_hung():
+    held, failed = [3], []
+    left = asyncio.Event()
+    watch = EngineWatch(engine_dead=lambda: False, leave=left.set, held=lambda: held[0],
+                        fail_requests=lambda: failed.append(True), stall_timeout_s=0.2)
+    watch.progress.last_output_at = time.monotonic() - 0.1
+    task = asyncio.create_task(watch.watch(poll_s=0.02, drain_s=0.1))
+    await asyncio.wait_for(left.wait(), timeout=2)
+    await task
+    assert watch.stalled and watch.failed and failed == [True]
+
+
+async def test_an_engine_that_keeps_producing_or_sits_idle_is_not_hung():
+    held, left = [0], asyncio.Event()
+    watch = EngineWatch(engine_dead=lambda: False, leave=left.set, held=lambda: held[0], stall_timeout_s=0.2)
+    watch.progress.last_output_at = time.monotonic() - 3600  # idle for an hour
+    task = asyncio.create_task(watch.watch(poll_s=0.02))
+    await asyncio.sleep(0.3)
+    held[0] = 5  # a request arrives after the long idle spell: the clock starts now
+    for _ in range(10):  # and the engine steps every 50 ms
+        await asyncio.sleep(0.05)
+        watch.progress.saw_output()
+    assert not left.is_set() and not watch.stalled
+    task.cancel()
+
+
+async def test_a_replica_being_stopped_does_not_fail_a_hung_engines_requests():
+    failed, left = [], asyncio.Event()
+    watch = EngineWatch(engine_dead=lambda: False, leave=left.set, held=lambda: 1,
+                        fail_requests=lambda: failed.append(True), stall_timeout_s=0.05)
+    watch.stopping = True
+    watch.progress.last_output_at = time.monotonic() - 1
+    await asyncio.wait_for(watch.watch(poll_s=0.01), timeout=2)
+    assert not left.is_set() and failed == []
