@@ -28,7 +28,15 @@ from serve_app.context_limit import enforce_context_limit
 from serve_app.engine_watch import EngineProgress, EngineWatch
 from serve_app.observability import tracing
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
-from serve_app.streaming import Outcome, OutcomeTap, Reply, coalesce, end_on_error_event, is_error_event
+from serve_app.streaming import (
+    Outcome,
+    OutcomeTap,
+    Reply,
+    coalesce,
+    end_on_error_event,
+    is_error_event,
+    normalize_error_event,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -168,7 +176,7 @@ class ModelServer:
             yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
         else:
             assert tap is not None
-            events = self._engine_failure_events(end_on_error_event(result))
+            events = end_on_error_event(result, rewrite=self._error_event)
             async with aclosing(coalesce(tap.tap(events))) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.watch.failed:
@@ -181,12 +189,11 @@ class ModelServer:
             if tap.outcome is not None:
                 yield tap.outcome
 
-    async def _engine_failure_events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A stream's error event, when the engine died under it, says so (``engine_failed``)."""
-        async for chunk in chunks:
-            if is_error_event(chunk) and self.watch.failed:
-                chunk = sse_error_event(*_ENGINE_FAILED_ERROR).decode()
-            yield chunk
+    def _error_event(self, chunk: str) -> str:
+        """A stream's error event; when the engine died or hung under it, it says so (``engine_failed``)."""
+        if self.watch.failed:
+            return sse_error_event(*_ENGINE_FAILED_ERROR).decode()
+        return normalize_error_event(chunk)
 
     async def ping(self) -> str:
         """Answer the ingress's readiness probe once the engine is healthy."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from serve_app.errors import error_body, status_of
@@ -117,18 +117,20 @@ async def coalesce(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
                 pass
 
 
-async def end_on_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def end_on_error_event(
+    chunks: AsyncIterator[str], rewrite: Callable[[str], str] | None = None
+) -> AsyncIterator[str]:
     """Make an error event the stream's last event, with the OpenAI error shape.
 
     vLLM's serving code reports a failure mid-stream as ``data: {"error": ...}``
     followed by ``data: [DONE]``. Here ``[DONE]`` means the answer is complete, so
     after an error it is dropped, and vLLM's error ``type`` is replaced by the
-    OpenAI name for its status. Only error events are parsed; the cost per token
-    is one prefix comparison.
+    OpenAI name for its status (or the event is replaced by ``rewrite``'s). Only
+    error events are parsed; the cost per token is one prefix comparison.
     """
     async for chunk in chunks:
         if is_error_event(chunk):
-            yield normalize_error_event(chunk)
+            yield (rewrite or normalize_error_event)(chunk)
             return
         yield chunk
 
