@@ -2,8 +2,9 @@
 
 Sends ``--burst`` chat requests at once (more than the replicas admit, so many
 wait or get 429) and polls ``/health`` every ``--poll-ms`` from its own
-connection until the burst has been answered; reports the probes' latency
-percentiles and their statuses.
+process and connection until the burst has been answered; reports the probes'
+latency percentiles and their statuses. ``--path /-/healthz`` probes Serve's
+proxy's own answer instead: the floor any route behind the proxy can reach.
 
     python -m benchmarks.health_under_burst --url http://127.0.0.1:8000 --model glm-4-9b-chat
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import httpx
@@ -36,31 +39,39 @@ async def burst(url: str, model: str, count: int, tokens: int) -> dict[int, int]
     return statuses
 
 
-async def probe(url: str, poll_s: float, stop: asyncio.Event) -> tuple[list[float], dict[int, int]]:
+def probe(url: str, path: str, poll_s: float, stop: Connection) -> None:
+    """In its own process (the burst's client loop must not delay it): GET ``path`` until told to stop."""
     latencies: list[float] = []
     statuses: dict[int, int] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=1)) as client:
-        while not stop.is_set():
+    with httpx.Client(base_url=url, timeout=30) as client:
+        client.get(path)  # connected: the burst may start
+        stop.send("probing")
+        while True:  # at least one probe, however short the burst
             started = time.perf_counter()
-            response = await client.get("/health")
+            response = client.get(path)
             latencies.append(time.perf_counter() - started)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            await asyncio.sleep(poll_s)
-    return latencies, statuses
+            if stop.poll():
+                break
+            time.sleep(poll_s)
+    stop.send((latencies, statuses))
 
 
-async def measure(url: str, model: str, count: int, tokens: int, poll_s: float) -> dict[str, Any]:
-    stop = asyncio.Event()
-    prober = asyncio.create_task(probe(url, poll_s, stop))
+async def measure(url: str, model: str, count: int, tokens: int, poll_s: float, path: str) -> dict[str, Any]:
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    prober = multiprocessing.get_context("spawn").Process(target=probe, args=(url, path, poll_s, theirs))
+    prober.start()
+    await asyncio.to_thread(ours.recv)  # the prober is under way
     started = time.perf_counter()
     answers = await burst(url, model, count, tokens)
-    stop.set()
-    latencies, statuses = await prober
+    ours.send("stop")
+    latencies, statuses = await asyncio.to_thread(ours.recv)
+    prober.join()
     return {
         "burst": {"requests": count, "max_tokens": tokens, "statuses": answers,
                   "seconds": round(time.perf_counter() - started, 1)},
-        "health": {"probes": len(latencies), "statuses": statuses, "latency_ms": percentiles(latencies),
-                   "max_ms": max(latencies) * 1000 if latencies else None},
+        "health": {"path": path, "probes": len(latencies), "statuses": statuses,
+                   "latency_ms": percentiles(latencies), "max_ms": max(latencies) * 1000 if latencies else None},
     }
 
 
@@ -71,8 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--burst", type=int, default=600, help="requests sent at once")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each")
     parser.add_argument("--poll-ms", type=float, default=20.0)
+    parser.add_argument("--path", default="/health",
+                        help="what to probe; /-/healthz is answered by Serve's proxy alone, a baseline")
     args = parser.parse_args(argv)
-    result = asyncio.run(measure(args.url, args.model, args.burst, args.tokens, args.poll_ms / 1000))
+    result = asyncio.run(measure(args.url, args.model, args.burst, args.tokens, args.poll_ms / 1000, args.path))
     json.dump(result, sys.stdout, indent=2)
     print()
     return result

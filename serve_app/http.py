@@ -2,7 +2,8 @@
 
 Each generation route does the same four things: read the body (413 when too
 large), validate it strictly with vLLM's own request model and the OpenAI API's
-rules (:mod:`serve_app.validation`; 400 naming the parameter), route it by
+rules (:mod:`serve_app.validation`, or for a large body
+:mod:`serve_app.large_bodies` in another process; 400 naming the parameter), route it by
 ``model`` (404 when nobody serves it) and relay the replica's answer. Relaying
 writes the replica's bytes straight to the socket; it parses nothing per token.
 
@@ -35,6 +36,7 @@ from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.config import CORSConfig
 from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
 from serve_app.errors import UNAVAILABLE, APIError, error_body, sse_error_event
+from serve_app.large_bodies import LARGE_BODY_BYTES, BodyChecker, PickledRequest
 from serve_app.observability.record import ObserveRequests, Phase, RequestRecord
 from serve_app.observability.request_log import log_request
 from serve_app.observability.tracing import trace_context
@@ -88,7 +90,6 @@ class HTTPSettings:
     log_content: bool = False  # ... with the prompt and the completion in it
 
 
-LARGE_BODY_BYTES = 256 * 1024  # bodies above this are parsed in a worker thread
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
 
 
@@ -193,7 +194,7 @@ async def stream_sse(
 async def relay(
     handle: Any,
     method: str,
-    payload: BaseModel,
+    payload: BaseModel | PickledRequest,
     deadline: Deadline,
     record: RequestRecord,
     retry_s: float = 0.0,
@@ -280,16 +281,19 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     settings: HTTPSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
-    # Parsing and validating megabytes takes tens of milliseconds: not on the loop that relays streams.
-    large = len(raw) > LARGE_BODY_BYTES
-    body = await asyncio.to_thread(decode_body, raw) if large else decode_body(raw)
-    entry = state.router.route(body.get("model"))
+    payload: BaseModel | PickledRequest
+    if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
+        checked = await state.body_checker.check(endpoint.request_model, raw)
+        body, payload = checked.fields, checked.request
+        entry = state.router.route(body.get("model"))
+    else:
+        body = decode_body(raw)
+        entry = state.router.route(body.get("model"))  # an unknown model: 404 before any 400
+        payload = parse_request(endpoint.request_model, body)
     record.model = entry.name
-    model = endpoint.request_model
-    payload = await asyncio.to_thread(parse_request, model, body) if large else parse_request(model, body)
     record.request_id, record.stream = payload.request_id, bool(getattr(payload, "stream", False))
     if record.keep_content:
-        record.request_body = body
+        record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)
     check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
     check_choices(body, settings.max_n)
     on_tokens = None
@@ -411,6 +415,7 @@ def build_http_app(
             yield
         finally:
             readiness.stop()
+            app.state.body_checker.close()
 
     app = Starlette(
         routes=routes,
@@ -427,4 +432,5 @@ def build_http_app(
     app.state.router = router
     app.state.settings = settings
     app.state.readiness = readiness
+    app.state.body_checker = BodyChecker()
     return app

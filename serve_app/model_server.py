@@ -26,6 +26,7 @@ from ray import serve
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.context_limit import enforce_context_limit
 from serve_app.engine_watch import EngineProgress, EngineWatch
+from serve_app.large_bodies import PickledRequest
 from serve_app.observability import tracing
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.streaming import (
@@ -129,6 +130,8 @@ class ModelServer:
     async def _answer(
         self, endpoint: str, create: Any, request: Any, trace_context: dict[str, str] | None
     ) -> AsyncIterator[Answer]:
+        if isinstance(request, PickledRequest):  # a large body, validated in the ingress's checker process
+            request = request.load()
         span = tracing.start_replica_span(
             f"{endpoint} {self.model_name}",
             trace_context,

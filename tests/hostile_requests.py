@@ -42,6 +42,12 @@ def nested(depth: int) -> bytes:
     ) + b"}"
 
 
+def padded(body: dict[str, Any], size: int = 300_000) -> bytes:
+    """``body`` grown to ``size`` bytes with JSON whitespace: large, so the ingress checks it in another process."""
+    raw = encoded(body)
+    return raw[:-1] + b" " * max(0, size - len(raw)) + b"}"
+
+
 def without(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != key}
 
@@ -112,6 +118,11 @@ HOSTILE: list[Hostile] = [
         tools=[{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}],
         tool_choice={"type": "function", "function": {"name": "b"}},
     )), 400, "tool_choice"),
+    # Bodies over 256 KiB are checked in another process, with the same answers
+    Hostile("large body, bad parameter", padded(chat(temperature=3)), 400, "temperature"),
+    Hostile("large body, unknown parameter", padded(chat(temperatur=0.5)), 400, "temperatur"),
+    Hostile("large body, model not served", padded(chat(model="gpt-4")), 404, "model"),
+    Hostile("large body, n above max_n", padded(chat(n=9)), 400, "n"),
     Hostile("bad X-Request-Timeout", encoded(chat()), 400, "x-request-timeout", headers={"X-Request-Timeout": "soon"}),
     # Completions
     Hostile("completion without prompt", encoded({"model": MODEL, "max_tokens": 4}), 400, "prompt", COMPLETION_PATH),

@@ -42,7 +42,9 @@ async def test_hostile_bodies_benchmark_streams_while_bodies_are_refused(app):
     argv = ["--url", app.url, "--model", app.model, "--tokens", "64", "--body-bytes", "400000", "--per-second", "4"]
     result = await asyncio.to_thread(hostile_bodies, argv)
     assert result["quiet"]["ok"] and result["under hostile bodies"]["ok"], result
-    assert set(result["hostile"]["statuses"]) == {400}, result["hostile"]  # every hostile body refused
+    # Every hostile body refused: 400, or 429 while more than 8 wait for the checker process (it may still be starting).
+    statuses = result["hostile"]["statuses"]
+    assert 400 in statuses and set(statuses) <= {400, 429}, result["hostile"]
 
 
 async def test_health_under_burst_benchmark_probes_while_requests_run(app):

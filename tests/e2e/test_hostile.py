@@ -7,7 +7,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, chat
+from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, chat, padded
 from tests.request_strategies import request_bodies
 
 FUZZ_MAX_TOKENS = 8  # answers the server accepts stay short: the fuzzing is about input
@@ -40,6 +40,18 @@ def assert_healthy(client: httpx.Client, model: str) -> None:
 def test_hostile_request_gets_its_4xx_naming_the_parameter(client, case: Hostile):
     response = client.request(case.method, case.path, content=case.body, headers=case.headers)
     assert_openai_error(response, case.status, case.param)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+def test_a_large_valid_body_is_answered(client, app, stream: bool):
+    """Checked in the ingress's checker process, handed on pickled, unpickled and answered by a model replica."""
+    body = padded(chat(model=app.model, max_tokens=4, min_tokens=4, stream=stream))
+    response = client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    if stream:
+        assert response.text.rstrip().endswith("data: [DONE]") and response.text.count('"content"') >= 1
+    else:
+        assert response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_server_is_healthy_after_the_hostile_table(client, app):

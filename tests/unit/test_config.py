@@ -105,6 +105,15 @@ def test_shipped_configs_pass_ray_serves_own_schema(config_file):
     assert [app.import_path for app in schema.applications] == ["serve_app.app:build_app"]
 
 
+@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+def test_the_proxys_timeout_outlasts_every_ingress_deadline(config_file):
+    """Serve's proxy bounds a request's wait for an ingress replica; it must never end one the ingress still times."""
+    serve_config = yaml.safe_load((DEPLOY / config_file).read_text())
+    proxy_timeout_s = serve_config["http_options"]["request_timeout_s"]
+    for app in serve_config["applications"]:
+        assert proxy_timeout_s >= parse_app_config(app["args"]).ingress.request_timeout_s + 30
+
+
 def test_time_limits_have_defaults_and_drain_defaults_to_the_longest_answer():
     config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 8}))
     assert (config.ingress.request_timeout_s, config.ingress.first_token_timeout_s) == (600, 120)
