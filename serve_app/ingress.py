@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from serve_app.auth import load_api_keys
 from serve_app.config import AppConfig
 from serve_app.deadlines import TimeLimits
-from serve_app.http import HTTPSettings, build_http_app
+from serve_app.http import HTTPSettings, build_http_app, default_endpoints
 from serve_app.observability import tracing
 from serve_app.observability.metrics import ServingMetrics
 from serve_app.rate_limits import KeyLimits
@@ -65,7 +65,7 @@ class Ingress:
             api_keys=load_api_keys(config.ingress.api_keys),
             cors=config.ingress.cors,
             key_limits=key_limits(config, rate_limiter),
-            metrics=ServingMetrics(),
+            metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),
             log_requests=config.ingress.log_requests,
             log_content=config.ingress.log_content,
         )

@@ -28,6 +28,7 @@ from serve_app.context_limit import enforce_context_limit
 from serve_app.engine_watch import EngineProgress, EngineWatch
 from serve_app.large_bodies import PickledRequest
 from serve_app.observability import tracing
+from serve_app.observability.engine_metrics import engine_stat_logger
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.streaming import (
     Outcome,
@@ -58,7 +59,6 @@ class ModelServer:
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         from serve_app.glm4 import serving as glm4_serving
         from serve_app.glm4.format import check_dtype
@@ -79,8 +79,9 @@ class ModelServer:
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
             # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
-            # with this replica's id). `disable_log_stats` only silences the periodic log line.
-            stat_loggers=[RayPrometheusStatLogger, progress_stat_logger(progress)],
+            # with this replica's id; gauges kept while idle). `disable_log_stats` only
+            # silences the periodic log line.
+            stat_loggers=[engine_stat_logger(), progress_stat_logger(progress)],
             disable_log_stats=engine_args.disable_log_stats,
         )
         # vLLM's serving objects read a flat namespace of front-end and engine

@@ -13,9 +13,11 @@ per model replica) come from :mod:`serve_app.model_server`.
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Sequence
 from typing import Any
 
 from serve_app.errors import ENGINE_FAILED
+from serve_app.observability.gauges import KeptGauges, kept_gauges
 from serve_app.observability.record import Phase, RequestRecord
 
 # Names as exported (Ray adds the "ray_" prefix); the dashboard test reads them from here.
@@ -31,6 +33,10 @@ ENGINE_FAILURES = "glm4_serve_engine_failures"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
+# Error statuses whose share k8s/monitoring/prometheus-rules.yaml alerts on: exported at 0 from
+# the start, so the first burst of them is seen by rate() (a series that appears at 150 is not).
+ALERTED_STATUSES = ("429", "500", "503", "504")
+
 TTFT_BUCKETS_S = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5]
 E2E_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 900, 1800]
@@ -39,10 +45,16 @@ E2E_BUCKETS_S = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600,
 class ServingMetrics:
     """Records every generation request once it ends, and keeps the queued and running gauges.
 
-    Created in each ingress replica (Ray's metrics need a running Ray worker).
+    Created in each ingress replica (Ray's metrics need a running Ray worker). The
+    gauges start at 0 for each of ``models`` and keep reporting while idle
+    (:mod:`serve_app.observability.gauges`); the counters of events an operator
+    alerts on start at 0 (429s and 5xx of each of ``endpoints``, rejections,
+    aborts, engine failures).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, models: Sequence[str] = (), endpoints: Sequence[str] = (), gauges: KeptGauges | None = None
+    ) -> None:
         from ray.serve.metrics import Counter, Gauge, Histogram
 
         model = ("model",)
@@ -86,6 +98,23 @@ class ServingMetrics:
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=model)
         self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=model)
         self._in_phase: Tally[tuple[str, Phase]] = Tally()
+        self._gauges = gauges or kept_gauges()
+        for name in models:
+            for gauge in (self.queued, self.running):
+                self._gauges.set(gauge, 0, {"model": name})
+            model = {"model": name}
+            for counter, tags in [
+                (self.prompt_tokens, model), (self.completion_tokens, model), (self.engine_failures, model),
+                (self.rejected, model | {"reason": "overloaded"}),
+                (self.rejected, model | {"reason": "rate_limit_exceeded"}),
+                (self.aborted, model | {"phase": "waiting"}), (self.aborted, model | {"phase": "streaming"}),
+            ]:
+                start_at_zero(counter, tags)
+            for endpoint in endpoints:  # the statuses the alerting rules divide by the total
+                for status in ALERTED_STATUSES:
+                    start_at_zero(
+                        self.requests, model | {"endpoint": endpoint, "status": status, "finish_reason": ""}
+                    )
 
     def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
         """Keep the gauges: called by a record on each change of phase once it has a model."""
@@ -94,7 +123,7 @@ class ServingMetrics:
             gauge = self._gauge(phase)
             if gauge is not None:
                 self._in_phase[model, phase] += change
-                gauge.set(self._in_phase[model, phase], tags={"model": model})
+                self._gauges.set(gauge, self._in_phase[model, phase], {"model": model})
 
     def _gauge(self, phase: Phase) -> Any:
         return {Phase.QUEUED: self.queued, Phase.RUNNING: self.running}.get(phase)
@@ -121,6 +150,23 @@ class ServingMetrics:
                 self.tpot.observe(tpot, tags=model)
         if record.status == 200 and not record.aborted and (duration := record.duration_s) is not None:
             self.e2e.observe(duration, tags=model)
+
+
+def start_at_zero(counter: Any, tags: dict[str, str]) -> None:
+    """Export ``counter`` with ``tags`` at 0 before its first event.
+
+    A series that first appears at 1 hides that event from ``rate`` and
+    ``increase`` (Prometheus needs a sample before it), and a panel or alert on an
+    event that has not happened yet reads "no data" instead of 0. Ray's ``inc``
+    refuses 0, so this records through the method ``inc`` itself calls (the one
+    place the app reaches into Ray's metrics), after adding Serve's replica tags
+    as Serve's ``inc`` does.
+    """
+    from ray.serve.metrics import _add_serve_context_tag_values
+
+    tags = dict(tags)
+    _add_serve_context_tag_values(counter._tag_keys, tags)
+    counter._record(0, tags)
 
 
 def exported_names() -> set[str]:

@@ -1,0 +1,64 @@
+"""Gauges that keep reporting their value while it stays the same.
+
+Ray's metrics agent drops a gauge's series once its process has not set it for
+two export intervals (20 s with Ray's default ``metrics_report_interval_ms``):
+an idle replica's "0 requests running" vanished from the scrape, so a dashboard
+showed "No data" and an alert could not tell 0 from a missing replica.
+
+:class:`KeptGauges` remembers the last value set for each gauge and tag set and
+sets them all again every :data:`REFRESH_S` from a daemon thread, for as long as
+the process lives. A replica that is gone stops reporting, and its series age
+out as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+REFRESH_S = 2.0  # well inside the agent's 20 s (two of Ray's 10 s export intervals)
+
+
+class Gauge(Protocol):
+    """Ray's ``ray.util.metrics.Gauge`` (and Serve's, which adds the replica's tags)."""
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+
+
+class KeptGauges:
+    """Sets gauges and keeps setting them to their last value."""
+
+    def __init__(self, refresh_s: float = REFRESH_S) -> None:
+        self.refresh_s = refresh_s
+        self._last: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Gauge, float, dict[str, str]]] = {}
+        self._lock = threading.Lock()  # a refresh never writes a value older than one just set
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def set(self, gauge: Gauge, value: float, tags: dict[str, str]) -> None:
+        with self._lock:
+            self._last[id(gauge), frozenset(tags.items())] = (gauge, value, tags)
+            gauge.set(value, tags=tags)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kept-gauges", daemon=True)
+                self._thread.start()
+
+    def refresh(self) -> None:
+        with self._lock:
+            for gauge, value, tags in self._last.values():
+                gauge.set(value, tags=tags)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            self.refresh()
+
+
+_process_gauges = KeptGauges()
+
+
+def kept_gauges() -> KeptGauges:
+    """This process's keeper: the ingress's gauges and the engine's share one thread."""
+    return _process_gauges

@@ -1,0 +1,105 @@
+"""A real Prometheus server scraping the app's cluster, for the dashboard and alert tests.
+
+The binary is Debian's ``prometheus`` package (``.ci/install-prometheus`` installs
+it; ``promtool`` ships with it). It scrapes Ray's metrics endpoint every second
+and evaluates the rule files it is given every second.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import yaml
+
+from tests.e2e.ray_cluster import free_port
+
+SCRAPE_INTERVAL_S = 1
+
+
+def prometheus_binary(name: str = "prometheus") -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} is not installed: run .ci/install-prometheus (Debian's prometheus package)")
+    return path
+
+
+@dataclass
+class Prometheus:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, metrics_url: str, workdir: Path, rule_files: list[Path] = ()) -> Prometheus:
+        target = urlparse(metrics_url)
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{
+                "job_name": "ray",
+                "metrics_path": target.path or "/metrics",
+                "static_configs": [{"targets": [target.netloc]}],
+            }],
+        }
+        config_file = workdir / "prometheus.yml"
+        config_file.write_text(yaml.safe_dump(config))
+        port = free_port()
+        process = subprocess.Popen(
+            [
+                prometheus_binary(),
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(workdir / "prometheus.log").open("wb"),
+        )
+        server = cls(f"http://127.0.0.1:{port}", process)
+        server.wait_ready(within_s=60)
+        return server
+
+    def wait_ready(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prometheus not ready within {within_s} s")
+            time.sleep(0.2)
+
+    def api(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)
+        body = response.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's series (``metric`` labels and ``value``)."""
+        data = self.api("query", query=expr)
+        assert data["resultType"] == "vector", data
+        return data["result"]
+
+    def last_scrape_at(self) -> float:
+        """When Prometheus last scraped the cluster (Unix seconds), from its ``up`` series."""
+        [up] = self.query('timestamp(up{job="ray"})')
+        return float(up["value"][1])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()

@@ -1,0 +1,40 @@
+"""KeptGauges: the last value of each gauge and tag set is set again until the process ends."""
+
+from __future__ import annotations
+
+import threading
+
+from serve_app.observability.gauges import KeptGauges
+
+
+class RecordingGauge:
+    """Records every set (Ray's gauge needs a Ray worker; this is the same call)."""
+
+    def __init__(self) -> None:
+        self.sets: list[tuple[float, dict[str, str]]] = []
+        self.changed = threading.Condition()
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        with self.changed:
+            self.sets.append((value, dict(tags or {})))
+            self.changed.notify_all()
+
+
+def test_refresh_sets_the_last_value_of_each_tag_set_again():
+    gauge, kept = RecordingGauge(), KeptGauges(refresh_s=3600)
+    kept.set(gauge, 3, {"model": "a"})
+    kept.set(gauge, 0, {"model": "a"})
+    kept.set(gauge, 5, {"model": "b"})
+    gauge.sets.clear()
+    kept.refresh()
+    assert sorted(gauge.sets, key=lambda s: s[1]["model"]) == [(0, {"model": "a"}), (5, {"model": "b"})]
+    kept.stop()
+
+
+def test_a_background_thread_keeps_setting_the_value_while_nothing_changes():
+    gauge, kept = RecordingGauge(), KeptGauges(refresh_s=0.01)
+    kept.set(gauge, 7, {"model": "a"})
+    with gauge.changed:
+        assert gauge.changed.wait_for(lambda: len(gauge.sets) >= 3, timeout=10)
+    kept.stop()
+    assert {value for value, _ in gauge.sets} == {7}
