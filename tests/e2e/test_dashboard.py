@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.e2e.prometheus import Prometheus, prometheus_binary
+from tests.e2e.serve_state import replica_states
 from tests.e2e.telemetry import wait_until
 from tests.e2e.test_load import BURST, BURST_TOKENS, LONG, chat, in_flight_reaches_zero, open_streams
 from tests.unit.test_k8s_monitoring import DASHBOARD, MONITORING
@@ -77,24 +78,33 @@ def test_promtool_accepts_the_rules(tmp_path: Path):
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in check.stdout
 
 
+MAX_BURSTS = 3  # a burst the queue drains while it arrives (a busy box, a second replica) is sent again
+
+
 async def drive_traffic(app, deployment) -> dict[int, int]:
-    """Complete streams, a burst past the queue and abandoned streams; the statuses of the burst."""
-    limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
+    """Complete streams, bursts past the queue until one gets 429s, abandoned streams; the bursts' statuses."""
+    limits = httpx.Limits(max_connections=2 * BURST, max_keepalive_connections=2 * BURST)
+    statuses: dict[int, int] = {}
     async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
         await in_flight_reaches_zero(deployment, within_s=30.0)
         for _ in range(3):
             response = await client.post("/v1/chat/completions", json=chat(app.model, stream=True, max_tokens=16))
             assert response.status_code == 200
-        burst = await asyncio.gather(*(
-            client.post("/v1/chat/completions", json=chat(app.model, max_tokens=BURST_TOKENS, min_tokens=BURST_TOKENS))
-            for _ in range(BURST)
-        ))
+        for _ in range(MAX_BURSTS):
+            replicas = max(1, (await replica_states(deployment)).get("RUNNING", 1))  # each admits 320
+            burst = await asyncio.gather(*(
+                client.post(
+                    "/v1/chat/completions", json=chat(app.model, max_tokens=BURST_TOKENS, min_tokens=BURST_TOKENS)
+                )
+                for _ in range(BURST * replicas)
+            ))
+            for response in burst:
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            if 429 in statuses:
+                break
         async with open_streams(client, chat(app.model, stream=True, **LONG), 4):
             pass  # each stream has its first chunk; leaving aborts them
         await in_flight_reaches_zero(deployment, within_s=30.0)
-    statuses: dict[int, int] = {}
-    for response in burst:
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
     return statuses
 
 
@@ -103,7 +113,7 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
     app, one_replica, prometheus
 ):
     statuses = await drive_traffic(app, one_replica)
-    assert 429 in statuses and 200 in statuses, statuses
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
     idle_since = time.time()
     # Idle longer than Ray keeps a gauge nobody sets again, as Prometheus saw it.
     wait_until(
@@ -149,5 +159,5 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
     loaded = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert len(loaded) == sum(len(g["rules"]) for g in rule_groups())
     assert [(r["name"], r.get("lastError")) for r in loaded if r["health"] != "ok"] == []
-    firing = {r["name"] for r in loaded if r["type"] == "alerting" and r["state"] != "inactive"}
+    firing = {r["name"] for r in loaded if r["type"] == "alerting" and r["state"] == "firing"}
     assert "GLM4ServeNoHealthyModelReplica" not in firing and "GLM4ServeServerErrors" not in firing, firing
