@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 
 tiny-model: $(TINY_MODEL)/tiny_model.json
 
-$(TINY_MODEL)/tiny_model.json: $(STAMP) serve_app/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
-	$(BIN)/python -m serve_app.tiny_model $(TINY_MODEL) --force
+$(TINY_MODEL)/tiny_model.json: $(STAMP) tools/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
+	$(BIN)/python -m tools.tiny_model $(TINY_MODEL) --force
 
 # A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
 # Token authentication is on, as in production, whatever ran before: the token is
@@ -31,7 +31,7 @@ serve: install tiny-model
 	$(BIN)/ray get-auth-token --generate > /dev/null
 	$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
 	trap '$(BIN)/ray stop' EXIT INT TERM; \
-	$(BIN)/python -m serve_app.ready_line deploy/config.cpu.yaml & \
+	$(BIN)/python -m tools.ready_line deploy/config.cpu.yaml & \
 	$(BIN)/serve run --address auto deploy/config.cpu.yaml
 
 test: install tiny-model

@@ -3,9 +3,9 @@
 This is the ``import_path`` of every config under ``deploy/``
 (``serve_app.app:build_app``): ``serve run``, KubeRay's RayService and the tests
 all start the application here. It validates the arguments, then binds one
-:class:`~serve_app.model_server.ModelServer` deployment per model and the
-:class:`~serve_app.ingress.Ingress` in front of them, and, when per-key rate limits
-are configured, the :class:`~serve_app.rate_limits.RateLimiter` that every ingress
+:class:`~serve_app.replica.deployment.ModelServer` deployment per model and the
+:class:`~serve_app.ingress.deployment.Ingress` in front of them, and, when per-key rate limits
+are configured, the :class:`~serve_app.ingress.rate_limits.RateLimiter` that every ingress
 replica asks. Settings are read in
 :mod:`serve_app.config`; they act in the deployments.
 """
@@ -17,9 +17,9 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import parse_app_config
-from serve_app.ingress import Ingress
-from serve_app.model_server import ModelServer
-from serve_app.rate_limits import RateLimiter
+from serve_app.ingress.deployment import Ingress
+from serve_app.ingress.rate_limits import RateLimiter
+from serve_app.replica.deployment import ModelServer
 
 
 def build_app(args: dict[str, Any]) -> Application:

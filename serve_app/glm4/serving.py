@@ -17,12 +17,16 @@ Every vLLM internal this app touches for GLM-4 is named here.
 from __future__ import annotations
 
 import functools
-import re
 import logging
+import re
 from typing import Any
 
 from serve_app.errors import quoted
-from serve_app.glm4.control_tokens import MARK_REFUSED, PromptTokenizer, find_control_mark
+from serve_app.glm4.control_tokens import (
+    MARK_REFUSED,
+    PromptTokenizer,
+    find_control_mark,
+)
 from serve_app.glm4.format import CHAT_TEMPLATE_PATH, stop_token_ids
 from serve_app.glm4.parser import PARSER_NAME, Glm4Parser
 

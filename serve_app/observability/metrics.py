@@ -7,7 +7,7 @@ measured). Each metric also carries the ``model`` it is about. They are measured
 where the client's view is: in the ingress, from the moment a request arrives
 to the moment its last byte is written, so they include queueing in Serve's
 router and in the engine. vLLM's own engine metrics (``ray_vllm:*``, one series
-per model replica) come from :mod:`serve_app.model_server`.
+per model replica) come from :mod:`serve_app.replica.deployment`.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.ingress.route_path import route_path
 from serve_app.observability import tracing
-from serve_app.streaming import Outcome
+from serve_app.protocol import Outcome
 
 CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
 
@@ -120,7 +121,7 @@ class ObserveRequests:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         observed = scope["type"] == "http" and scope.get("method") == "POST"
-        endpoint = self.paths.get(scope.get("path", "")) if observed else None
+        endpoint = self.paths.get(route_path(scope)) if observed else None
         if endpoint is None:
             await self.app(scope, receive, send)
             return

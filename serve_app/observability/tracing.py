@@ -59,9 +59,13 @@ def configure_tracing(environ: Mapping[str, str] | None = None) -> bool:
 
     protocol = otlp_protocol(environ)
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
     elif protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
     else:
         logger.warning("OTLP protocol %r is not supported (grpc, http/protobuf); traces are off", protocol)
         return False

@@ -60,7 +60,9 @@ class RayCluster:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path), "RAY_ADDRESS": self.address}
 
     def start(self) -> None:
-        from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+        from ray._private.authentication.authentication_token_generator import (
+            generate_new_authentication_token,
+        )
 
         self.token_path.write_text(generate_new_authentication_token())
         self.token_path.chmod(0o600)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import psutil

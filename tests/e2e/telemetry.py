@@ -56,7 +56,9 @@ class OTLPCollector:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def _receive(self, body: bytes) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         request = ExportTraceServiceRequest.FromString(body)
         received = []

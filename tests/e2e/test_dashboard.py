@@ -27,7 +27,14 @@ import yaml
 from tests.e2e.prometheus import Prometheus, prometheus_binary
 from tests.e2e.serve_state import replica_states
 from tests.e2e.telemetry import wait_until
-from tests.e2e.test_load import BURST, BURST_TOKENS, LONG, chat, in_flight_reaches_zero, open_streams
+from tests.e2e.test_load import (
+    BURST,
+    BURST_TOKENS,
+    LONG,
+    chat,
+    in_flight_reaches_zero,
+    open_streams,
+)
 from tests.unit.test_k8s_monitoring import DASHBOARD, MONITORING
 
 RULES = MONITORING / "prometheus-rules.yaml"

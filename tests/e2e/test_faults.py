@@ -116,7 +116,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
         f"{failed} engine failures counted in ray_{metrics.ENGINE_FAILURES}_total",
     )
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
-    # The replica ended its own process (serve_app.engine_watch): Ray records its worker
+    # The replica ended its own process (serve_app.replica.engine_watch): Ray records its worker
     # as died, where a replica Serve stopped after failed health checks is killed (RAY_KILL).
     (replica,) = by_replica
     assert await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"

@@ -52,6 +52,6 @@ def test_serve_status_needs_the_token_and_works_with_it(app, ray_cluster):
 
 
 def test_the_ready_line_names_the_url_and_the_models(app):
-    ready = run([sys.executable, "-m", "serve_app.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
+    ready = run([sys.executable, "-m", "tools.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
     assert ready.returncode == 0, ready.stderr
     assert ready.stdout == f"ready: {app.url}/v1 serves {app.model} (Ctrl-C stops it)\n"

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from serve_app.auth import APIKeys, APIKeysUnavailable, load_api_keys, parse_keys, route_path
 from serve_app.config import APIKeysConfig, IngressConfig
-from serve_app.streaming import Reply
+from serve_app.ingress.auth import (
+    APIKeys,
+    APIKeysUnavailable,
+    load_api_keys,
+    parse_keys,
+)
+from serve_app.ingress.route_path import route_path
+from serve_app.protocol import Reply
 from tests.unit.test_http import CHAT, assert_openai_error, client_for
 
 FIRST, SECOND, THIRD = "sk-first-0123456789abc", "sk-second-abcdef012345", "sk-third-9876543210zyx"
@@ -193,7 +199,7 @@ def test_keys_are_off_unless_configured():
 
 
 def test_check_does_not_stop_at_the_first_matching_key(env_keys, monkeypatch):
-    import serve_app.auth as auth
+    import serve_app.ingress.auth as auth
 
     compared = []
     real = auth.hmac.compare_digest

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from serve_app.context_limit import effective_prompt_tokens, over_context_message, requested_output
+from serve_app.replica.context_limit import (
+    effective_prompt_tokens,
+    over_context_message,
+    requested_output,
+)
 
 
 def test_fitting_requests_pass() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serve_app.auth import APIKeys
 from serve_app.config import CORSConfig, IngressConfig
-from serve_app.streaming import Reply
+from serve_app.ingress.auth import APIKeys
+from serve_app.protocol import Reply
 from tests.unit.test_http import CHAT, client_for
 
 ORIGIN = "https://chat.example.com"

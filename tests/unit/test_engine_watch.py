@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from serve_app.engine_watch import EngineWatch
+from serve_app.replica.engine_watch import EngineWatch
 
 
 class Engine:

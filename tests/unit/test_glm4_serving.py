@@ -10,7 +10,11 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from serve_app.config import ConfigError, parse_app_config
 from serve_app.glm4 import serving as glm4_serving
-from serve_app.glm4.format import REAL_STOP_TOKEN_IDS, STOP_TOKENS, check_dtype, stop_token_ids
+from serve_app.glm4.format import (
+    STOP_TOKENS,
+    check_dtype,
+    stop_token_ids,
+)
 from serve_app.glm4.parser import Glm4Parser, Glm4ToolParser
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
 

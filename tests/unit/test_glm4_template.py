@@ -6,7 +6,11 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from serve_app.glm4.control_tokens import CONTROL_MARK
-from serve_app.glm4.format import CHAT_TEMPLATE_PATH, SPECIAL_TOKENS, plain_chat_template
+from serve_app.glm4.format import (
+    CHAT_TEMPLATE_PATH,
+    SPECIAL_TOKENS,
+    plain_chat_template,
+)
 from tests.glm4_conversations import CONVERSATIONS
 
 

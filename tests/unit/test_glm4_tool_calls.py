@@ -6,7 +6,12 @@ import itertools
 
 import pytest
 
-from serve_app.glm4.tool_calls import ParsedOutput, ToolCall, ToolCallStream, parse_output
+from serve_app.glm4.tool_calls import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallStream,
+    parse_output,
+)
 
 NAMES = {"get_weather", "get_time", "get"}
 

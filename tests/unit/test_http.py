@@ -15,14 +15,14 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
-from serve_app.auth import APIKeys
 from serve_app.config import CORSConfig
-from serve_app.deadlines import TimeLimits
-from serve_app.http import HTTPSettings, build_http_app
-from serve_app.rate_limits import KeyLimits
-from serve_app.readiness import Readiness
-from serve_app.router import ModelEntry, ModelRouter
-from serve_app.streaming import Reply
+from serve_app.ingress.auth import APIKeys
+from serve_app.ingress.deadlines import TimeLimits
+from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.readiness import Readiness
+from serve_app.ingress.router import ModelEntry, ModelRouter
+from serve_app.ingress.routes import HTTPSettings, build_http_app
+from serve_app.protocol import Reply
 
 CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -279,7 +279,7 @@ def test_liveness_says_the_ingress_answers_whatever_the_models():
 
 
 def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
-    from serve_app.http import default_endpoints
+    from serve_app.ingress.routes import default_endpoints
 
     events = []
 
@@ -350,7 +350,7 @@ def test_invalid_timeout_header_is_400(value):
 
 
 def test_a_replica_that_cannot_serve_says_retry():
-    from serve_app.streaming import Reply
+    from serve_app.protocol import Reply
 
     client, _ = client_for([Reply.error(503, "engine died", code="unavailable")])
     response = client.post("/v1/chat/completions", json=CHAT)
@@ -433,7 +433,6 @@ def test_a_request_whose_engine_died_under_it_is_answered_once_never_sent_again(
 
 def test_a_stream_whose_engine_died_mid_answer_ends_with_its_error_and_is_counted():
     from serve_app.errors import sse_error_event
-
     from tests.unit.test_observability import RecordingMetrics
 
     metrics = RecordingMetrics()

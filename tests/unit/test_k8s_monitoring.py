@@ -43,8 +43,9 @@ def test_every_serving_metric_has_a_panel(dashboard):
 
 
 def test_the_dashboard_pod_monitor_and_rules_render_with_kustomize():
-    from tests.unit.test_k8s import kubectl
     import subprocess
+
+    from tests.unit.test_k8s import kubectl
 
     out = subprocess.run([kubectl(), "kustomize", str(MONITORING)], check=True, capture_output=True, text=True).stdout
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}

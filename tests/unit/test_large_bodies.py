@@ -12,7 +12,13 @@ import pytest
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
-from serve_app.large_bodies import LARGE_BODY_BYTES, MAX_WAITING, BodyChecker, CheckedBody, check_body
+from serve_app.ingress.large_bodies import (
+    LARGE_BODY_BYTES,
+    MAX_WAITING,
+    BodyChecker,
+    CheckedBody,
+    check_body,
+)
 from tests.hostile_requests import chat
 
 

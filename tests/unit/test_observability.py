@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from serve_app.observability import tracing
 from serve_app.observability.record import CLIENT_GONE, Phase, RequestRecord
 from serve_app.observability.request_log import completion_text, request_fields
-from serve_app.streaming import Outcome, Reply
+from serve_app.protocol import Outcome, Reply
 from tests.unit.test_http import CHAT, HANG, client_for
 
 ROLE = 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
@@ -172,7 +172,7 @@ def test_ingress_and_replica_spans_share_the_clients_trace(spans):
     client, handle = client_for([ROLE + TOKEN, LAST, DONE, Outcome(7, 3, ("stop",))])
     client.post("/v1/chat/completions", json=CHAT | {"stream": True}, headers={"traceparent": TRACEPARENT})
     [context] = handle.trace_contexts
-    # What the replica does with the context it was handed (serve_app.model_server).
+    # What the replica does with the context it was handed (serve_app.replica.deployment).
     tracing.start_replica_span("chat glm-4-9b-chat", context, {}).end()
     by_name = {span.name: span for span in spans.get_finished_spans()}
     ingress, replica = by_name["POST /v1/chat/completions"], by_name["chat glm-4-9b-chat"]
@@ -254,3 +254,26 @@ def test_a_failure_before_the_response_is_a_500_and_raised():
     with pytest.raises(ValueError):
         asyncio.run(middleware(scope, None, None))
     assert [r.status for r in records] == [500]
+
+
+def test_requests_under_a_route_prefix_are_recorded():
+    """Serve passes route_prefix as root_path and leaves it in path: the record must still match."""
+    import asyncio
+
+    from serve_app.observability.record import ObserveRequests
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    async def send(message):
+        pass
+
+    records: list[RequestRecord] = []
+    middleware = ObserveRequests(app, {"/v1/chat/completions": "chat"}, [records.append])
+    scope = {"type": "http", "method": "POST", "path": "/glm/v1/chat/completions", "root_path": "/glm", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    assert [(r.endpoint, r.status) for r in records] == [("chat", 200)]

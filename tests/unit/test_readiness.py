@@ -7,11 +7,14 @@ import logging
 import threading
 
 import pytest
-
 from ray.serve._private.common import ReplicaState
-from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+from ray.serve.schema import (
+    ApplicationStatusOverview,
+    DeploymentStatusOverview,
+    ServeStatus,
+)
 
-from serve_app.readiness import Readiness, ReadinessWatch, running_models
+from serve_app.ingress.readiness import Readiness, ReadinessWatch, running_models
 
 
 def overview(**states: int) -> DeploymentStatusOverview:

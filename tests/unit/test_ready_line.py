@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.ready_line import LocalApp, local_app, wait_until_ready
+from tools.ready_line import LocalApp, local_app, wait_until_ready
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

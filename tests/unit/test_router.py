@@ -3,7 +3,7 @@
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.router import ModelEntry, ModelRouter
+from serve_app.ingress.router import ModelEntry, ModelRouter
 
 
 @pytest.fixture

@@ -5,7 +5,12 @@ import json
 
 import pytest
 
-from serve_app.streaming import DONE_EVENT, coalesce, end_on_error_event, normalize_error_event
+from serve_app.protocol import DONE_EVENT
+from serve_app.replica.stream_transforms import (
+    coalesce,
+    end_on_error_event,
+    normalize_error_event,
+)
 
 
 async def collect(agen):
@@ -100,7 +105,7 @@ def test_sse_error_event_is_one_openai_shaped_data_event():
 
 
 def test_unary_error_reply_is_openai_shaped():
-    from serve_app.streaming import Reply
+    from serve_app.protocol import Reply
 
     reply = Reply.error(400, "bad max_tokens", "max_tokens")
     assert reply.status == 400

@@ -12,9 +12,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from serve_app.errors import APIError
-from serve_app.streaming import Reply
-from serve_app.validation import MAX_CONTAINERS, MAX_NESTING, decode_body, parameter_path, structure
-from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, HOSTILE, MODEL, Hostile, chat, encoded
+from serve_app.ingress.validation import (
+    MAX_CONTAINERS,
+    MAX_NESTING,
+    decode_body,
+    parameter_path,
+    structure,
+)
+from serve_app.protocol import Reply
+from tests.hostile_requests import (
+    CHAT_PATH,
+    COMPLETION_PATH,
+    HOSTILE,
+    MODEL,
+    Hostile,
+    chat,
+    encoded,
+)
 from tests.request_strategies import request_bodies
 from tests.unit.test_http import assert_openai_error, client_for
 

@@ -8,7 +8,7 @@ grouped-query attention, GLM-4's special tokens and chat format. The weights
 are random, so its text is noise: assert on token counts, finish reasons and
 protocol shape, never on words.
 
-Usage: ``python -m serve_app.tiny_model OUT_DIR``
+Usage: ``python -m tools.tiny_model OUT_DIR``
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def generate(out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "tiny_model.json").write_text(
-        json.dumps({"generator": "serve_app.tiny_model", "seed": seed}) + "\n"
+        json.dumps({"generator": "tools.tiny_model", "seed": seed}) + "\n"
     )
     return out_dir
 

@@ -8,7 +8,7 @@ waits for it, then prints::
 
     ready: http://127.0.0.1:8000/v1 serves glm-4-9b-chat (Ctrl-C stops it)
 
-Usage: ``python -m serve_app.ready_line deploy/config.cpu.yaml``. It gives up
+Usage: ``python -m tools.ready_line deploy/config.cpu.yaml``. It gives up
 when the shell that started it ends (``serve run`` stopped) or after
 ``--timeout-s``.
 """

@@ -1,15 +1,11 @@
-"""What flows from a model replica to the ingress, and how it is batched.
-
-A replica answers every call with an async generator. Its first item decides the
-HTTP answer: a :class:`Reply` (a complete JSON body with its status: a unary
-response or an error found before any token) or the first piece of an SSE
-stream, already framed as ``data: ...\\n\\n`` by vLLM's serving code. The ingress
-writes those bytes to the socket as they are: nothing is re-encoded per token.
+"""Transforms of a vLLM SSE stream inside the model replica, before it goes to the ingress.
 
 Each generator item is one message between Ray actors, and messages, not bytes,
 are what cost. :func:`coalesce` therefore joins chunks that are *already
 waiting* into one item, and never waits for more: the first token leaves as soon
 as it exists, and under load several tokens share a message.
+:func:`end_on_error_event` makes an error event the stream's last, in the OpenAI
+shape; :class:`OutcomeTap` reads how the stream ended as it passes.
 """
 
 from __future__ import annotations
@@ -20,42 +16,8 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from serve_app.errors import error_body, status_of
-
-DONE_EVENT = "data: [DONE]\n\n"
-_ERROR_EVENT_PREFIX = 'data: {"error"'
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How an answer ended: its tokens and finish reasons, for token limits, metrics and logs.
-
-    Every stream's last generator item, never written to the client; a unary
-    :class:`Reply` carries it. ``finish_reasons`` has one entry per choice that
-    finished (``stop``, ``length``, ``tool_calls``, ...).
-    """
-
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reasons: tuple[str, ...] = ()
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A complete (non-streamed) answer: HTTP status and JSON body."""
-
-    status: int
-    body: bytes
-    outcome: Outcome | None = None
-    code: str | None = None  # an error's OpenAI ``code``, for the ingress's record (retry, metrics)
-
-    @classmethod
-    def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
-        return cls(status, json.dumps(error_body(status, message, param, code)).encode(), code=code)
+from serve_app.errors import error_body
+from serve_app.protocol import Outcome, is_error_event
 
 
 class _End:
@@ -133,26 +95,6 @@ async def end_on_error_event(
             yield (rewrite or normalize_error_event)(chunk)
             return
         yield chunk
-
-
-def is_error_event(chunk: str) -> bool:
-    return chunk.startswith(_ERROR_EVENT_PREFIX)
-
-
-def trailing_error(chunk: str) -> tuple[int, str | None] | None:
-    """The status and code of an error event ending ``chunk`` (chunks are joined events), else None.
-
-    An error event is always a stream's last event (:func:`end_on_error_event`),
-    so only the end of a chunk is looked at: one substring search per chunk.
-    """
-    at = chunk.rfind(_ERROR_EVENT_PREFIX)
-    if at < 0 or (at > 0 and not chunk.endswith("\n\n", 0, at)):
-        return None
-    try:
-        error = json.loads(chunk[at + len("data: ") :])["error"]
-        return status_of(error.get("type")), error.get("code")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return 500, None
 
 
 def normalize_error_event(chunk: str) -> str:

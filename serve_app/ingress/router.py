@@ -2,7 +2,7 @@
 
 Pure logic over the handles the application builder passed in, so it is tested
 without Ray. Per-request policies (API keys, rate limits, timeouts) have their
-seam in :mod:`serve_app.http`, not here.
+seam in :mod:`serve_app.ingress.routes`, not here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The ingress deployment: the Starlette app of :mod:`serve_app.http`, served by Ray Serve.
+"""The ingress deployment: the Starlette app of :mod:`serve_app.ingress.routes`, served by Ray Serve.
 
 It stays thin: validate, route, stream bytes through. It holds one
 ``DeploymentHandle`` per model deployment and answers ``GET /health`` from
 Serve's own view of replica health (each model replica runs vLLM's engine
 health check every ``health_check_period_s``), read in the background
-(:mod:`serve_app.readiness`), so a health probe never waits on the controller
+(:mod:`serve_app.ingress.readiness`), so a health probe never waits on the controller
 or queues behind generation requests.
 """
 
@@ -15,15 +15,15 @@ from typing import Any
 from ray import serve
 from starlette.applications import Starlette
 
-from serve_app.auth import load_api_keys
 from serve_app.config import AppConfig
-from serve_app.deadlines import TimeLimits
-from serve_app.http import HTTPSettings, build_http_app, default_endpoints
+from serve_app.ingress.auth import load_api_keys
+from serve_app.ingress.deadlines import TimeLimits
+from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.readiness import ReadinessWatch
+from serve_app.ingress.router import ModelEntry, ModelRouter
+from serve_app.ingress.routes import HTTPSettings, build_http_app, default_endpoints
 from serve_app.observability import tracing
 from serve_app.observability.metrics import ServingMetrics
-from serve_app.rate_limits import KeyLimits
-from serve_app.readiness import ReadinessWatch
-from serve_app.router import ModelEntry, ModelRouter
 
 
 def key_limits(config: AppConfig, rate_limiter: Any) -> KeyLimits | None:

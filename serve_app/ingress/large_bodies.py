@@ -7,7 +7,7 @@ stops while it runs. A body above :data:`LARGE_BODY_BYTES` therefore goes to a
 checker process (one per ingress replica, started on the first such body) and
 comes back small: the few fields the ingress still checks, and the validated
 request already pickled, which the ingress hands to a model replica without
-unpickling it (:class:`PickledRequest`).
+unpickling it (:class:`serve_app.protocol.PickledRequest`).
 
 At most :data:`MAX_WAITING` large bodies are checked or waiting per ingress
 replica; more are refused with 429, so a flood of them holds bounded memory and
@@ -20,16 +20,17 @@ import asyncio
 import logging
 import multiprocessing
 import pickle
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
-from serve_app.validation import decode_body, parse_request
+from serve_app.ingress.validation import decode_body, parse_request
+from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,21 +38,6 @@ LARGE_BODY_BYTES = 256 * 1024  # smaller bodies take well under a millisecond or
 MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
 # What the ingress checks after validation (routing, output ceiling, choices), copied out of the body.
 CHECKED_FIELDS = ("model", "n", "max_tokens", "max_completion_tokens")
-
-
-@dataclass(frozen=True)
-class PickledRequest:
-    """A validated vLLM request, pickled by the checker process, unpickled by the model replica.
-
-    The bytes come from this server's own checker, never from a client.
-    """
-
-    data: bytes
-    request_id: str
-    stream: bool
-
-    def load(self) -> BaseModel:
-        return pickle.loads(self.data)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
+from serve_app.ingress.route_path import route_path
 
 logger = logging.getLogger("ray.serve")
 
@@ -174,12 +175,6 @@ def bearer_token(headers: Headers) -> str | None:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
-
-
-def route_path(scope: Scope) -> str:
-    """The path below the application's route prefix (Serve's ``route_prefix`` is the ASGI root_path)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class APIKeyMiddleware:

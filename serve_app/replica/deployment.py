@@ -6,7 +6,7 @@ come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
 own API server does, then finished for GLM-4 by :mod:`serve_app.glm4.serving`
 (chat template, stop tokens, tool calls). This module only adapts them to Ray
 Serve: it answers each call with the generator protocol of
-:mod:`serve_app.streaming`, and exposes the engine's health to Serve's health
+:mod:`serve_app.protocol`, and exposes the engine's health to Serve's health
 checks.
 """
 
@@ -24,19 +24,16 @@ from pydantic import BaseModel
 from ray import serve
 
 from serve_app.config import ModelConfig, split_engine_args
-from serve_app.context_limit import enforce_context_limit
-from serve_app.engine_watch import EngineProgress, EngineWatch
-from serve_app.large_bodies import PickledRequest
+from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger
-from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
-from serve_app.streaming import (
-    Outcome,
+from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, is_error_event
+from serve_app.replica.context_limit import enforce_context_limit
+from serve_app.replica.engine_watch import EngineProgress, EngineWatch
+from serve_app.replica.stream_transforms import (
     OutcomeTap,
-    Reply,
     coalesce,
     end_on_error_event,
-    is_error_event,
     normalize_error_event,
 )
 
@@ -45,7 +42,7 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment(
     # The check only reads the engine's state, so it runs often. A replica whose
-    # engine died exits by itself (serve_app.engine_watch); the check is the backstop.
+    # engine died exits by itself (serve_app.replica.engine_watch); the check is the backstop.
     health_check_period_s=2,
     health_check_timeout_s=30,
 )
@@ -225,7 +222,7 @@ class ModelServer:
         self.engine.output_processor.propagate_error(EngineDeadError("the engine stopped making progress"))
 
     def _leave(self) -> None:
-        """End this replica's process (its engine died); see :mod:`serve_app.engine_watch`."""
+        """End this replica's process (its engine died); see :mod:`serve_app.replica.engine_watch`."""
         self.engine.shutdown()  # whatever of the engine still runs goes with it
         os._exit(1)
 
@@ -236,9 +233,6 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-Answer = Reply | str | Outcome  # what a replica's generator yields (see serve_app.streaming)
 
 
 def progress_stat_logger(progress: EngineProgress) -> Any:

@@ -2,14 +2,15 @@
 
 Each generation route does the same four things: read the body (413 when too
 large), validate it strictly with vLLM's own request model and the OpenAI API's
-rules (:mod:`serve_app.validation`, or for a large body
-:mod:`serve_app.large_bodies` in another process; 400 naming the parameter), route it by
-``model`` (404 when nobody serves it) and relay the replica's answer. Relaying
-writes the replica's bytes straight to the socket; it parses nothing per token.
+rules (:mod:`serve_app.ingress.validation`, or for a large body
+:mod:`serve_app.ingress.large_bodies` in another process; 400 naming the
+parameter), route it by ``model`` (404 when nobody serves it) and hand it to
+:mod:`serve_app.ingress.replica_client`, which calls a model replica and relays
+its answer.
 
-API keys are checked before any of that, by :mod:`serve_app.auth`'s middleware;
-other per-request policies (rate limits, timeouts) belong between parsing and
-routing, in :func:`handle_generation`.
+API keys are checked before any of that, by :mod:`serve_app.ingress.auth`'s
+middleware; other per-request policies (rate limits, timeouts) belong between
+parsing and routing, in :func:`handle_generation`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,38 +30,39 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.auth import APIKeyMiddleware, APIKeys
 from serve_app.config import CORSConfig
-from serve_app.deadlines import Deadline, DeadlineExceeded, TimeLimits, next_before, requested_timeout
-from serve_app.errors import UNAVAILABLE, APIError, error_body, sse_error_event
-from serve_app.large_bodies import LARGE_BODY_BYTES, BodyChecker, PickledRequest
-from serve_app.observability.record import ObserveRequests, Phase, RequestRecord
+from serve_app.errors import UNAVAILABLE, APIError, error_body
+from serve_app.ingress.auth import APIKeyMiddleware, APIKeys
+from serve_app.ingress.deadlines import Deadline, TimeLimits, requested_timeout
+from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
+from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.readiness import Readiness
+from serve_app.ingress.replica_client import relay
+from serve_app.ingress.router import ModelRouter
+from serve_app.ingress.validation import (
+    check_choices,
+    check_output_fits,
+    decode_body,
+    parse_request,
+)
+from serve_app.observability.record import ObserveRequests, RequestRecord
 from serve_app.observability.request_log import log_request
-from serve_app.observability.tracing import trace_context
-from serve_app.rate_limits import KeyLimits
-from serve_app.readiness import Readiness
-from serve_app.router import ModelRouter
-from serve_app.streaming import Outcome, Reply, trailing_error
-from serve_app.validation import check_choices, check_output_fits, decode_body, parse_request
+from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 class ReadinessSource(Protocol):
-    """Where ``/health`` reads readiness (:class:`serve_app.readiness.ReadinessWatch`)."""
+    """Where ``/health`` reads readiness (:class:`serve_app.ingress.readiness.ReadinessWatch`)."""
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
     def readiness(self) -> Readiness: ...
-
-TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,6 @@ class HTTPSettings:
     log_content: bool = False  # ... with the prompt and the completion in it
 
 
-RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
-
-
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
     """The raw request body, refusing oversized bodies before reading them whole, and slow ones."""
     declared = request.headers.get("content-length")
@@ -110,168 +109,6 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
     return b"".join(chunks)
-
-
-def replica_failure(exc: BaseException) -> APIError:
-    """Map a failure to reach or hear from a replica to the status a client should see."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    from ray.serve.exceptions import (
-        BackPressureError,
-        DeploymentUnavailableError,
-        ReplicaUnavailableError,
-    )
-
-    if isinstance(exc, BackPressureError):
-        return APIError(
-            429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"}
-        )
-    if isinstance(
-        exc,
-        (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError),
-    ):
-        return APIError(
-            503, "the model replica is unavailable; retry shortly", code=UNAVAILABLE, headers={"Retry-After": "1"}
-        )
-    logger.exception("request failed in a model replica", exc_info=exc)
-    return APIError(500, "internal error while generating the answer", code="internal_error")
-
-
-def may_have_reached_an_engine(exc: BaseException) -> bool:
-    """Whether a failed call to a replica may have been running in its engine.
-
-    A replica process that died (or went unreachable) during the call may have
-    been running it; the request may even be what killed it. A deployment with no
-    replica to take the call never started it. (An engine that dies under a live
-    replica is answered by the replica itself, ``engine_failed``.)
-    """
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import ReplicaUnavailableError
-
-    return isinstance(exc, RayActorError | ReplicaUnavailableError)
-
-
-async def stream_sse(
-    first: str, rest: Any, deadline: Deadline, record: RequestRecord, on_tokens: TokenCounter | None = None
-) -> AsyncIterator[str | bytes]:
-    """Write a replica's SSE stream through; a failure after the start becomes a final error event.
-
-    The replica ends the stream with an :class:`Outcome` (not written out), kept in
-    ``record``. With ``on_tokens``, it is told the answer's total tokens; a stream
-    cut short (the client left) is counted as one token per event it was sent.
-    """
-    events = 0
-    try:
-        yield first
-        events += first.count("data: ") if on_tokens else 0
-        while True:
-            try:
-                chunk = await next_before(rest, deadline.end_at)
-            except StopAsyncIteration:
-                break
-            if isinstance(chunk, Outcome):
-                record.outcome = chunk
-                continue
-            events += chunk.count("data: ") if on_tokens else 0
-            if (error := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
-                record.failed(*error)
-            yield chunk
-    except DeadlineExceeded:
-        error = deadline.expired()
-        record.failed(error.status, error.code)
-        yield sse_error_event(error.status, error.message, error.code)
-    except TaskCancelledError:  # the client left; nobody reads an error event
-        pass
-    except Exception as exc:
-        error = replica_failure(exc)
-        record.failed(error.status, error.code)
-        yield sse_error_event(error.status, error.message, error.code)
-    finally:
-        rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
-        if on_tokens is not None:
-            on_tokens(record.outcome.total_tokens if record.outcome is not None else events)
-
-
-async def relay(
-    handle: Any,
-    method: str,
-    payload: BaseModel | PickledRequest,
-    deadline: Deadline,
-    record: RequestRecord,
-    retry_s: float = 0.0,
-    on_tokens: TokenCounter | None = None,
-) -> Response:
-    """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
-
-    A stream's first chunk must come before the first-token deadline; a unary
-    answer, which is its whole first item, before the end deadline.
-
-    Only what never reached an engine is sent again: a replica's refusal before
-    admission (503 ``unavailable``: its engine was already dead) or a deployment
-    with no replica, to whichever replica Serve picks, for up to ``retry_s``
-    seconds from the first refusal (a replica whose engine died exits within
-    seconds, and each router drops it on its first failed call). A request whose
-    engine died under it is answered once (``engine_failed``), since it may be
-    what killed the engine; a replica process that died during the call is tried
-    on one more replica at most, so no request can take down replica after replica.
-    """
-    streaming = bool(getattr(payload, "stream", False))
-    first_by = deadline.first_token_at if streaming else deadline.end_at
-    retry_until: float | None = None  # set at the first refusal
-    replica_deaths = 0  # calls that failed because their replica process died
-
-    def give_up_at() -> float:
-        nonlocal retry_until
-        if retry_until is None:
-            retry_until = min(asyncio.get_running_loop().time() + retry_s, first_by)
-        return retry_until
-
-    record.enter(Phase.QUEUED)
-    while True:
-        record.attempts += 1
-        responses = getattr(handle, method).remote(payload, trace_context(record.span))
-        try:
-            first = await next_before(responses, first_by)
-        except StopAsyncIteration:
-            raise APIError(500, "the model replica returned no answer", code="internal_error") from None
-        except DeadlineExceeded:
-            responses.cancel()
-            raise (deadline.first_token_expired() if streaming else deadline.expired()) from None
-        except asyncio.CancelledError:  # the client left before the answer began
-            responses.cancel()
-            raise
-        except TaskCancelledError:  # Serve cancelled it because the client left
-            raise
-        except Exception as exc:
-            error = replica_failure(exc)
-            replica_deaths += may_have_reached_an_engine(exc)
-            if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
-                continue
-            raise error from None
-        if isinstance(first, Reply) and first.code == UNAVAILABLE and await _before_retry(give_up_at()):
-            continue
-        break
-    record.enter(Phase.RUNNING)
-    if isinstance(first, Reply):
-        record.outcome = first.outcome
-        record.error_code = first.code
-        if on_tokens is not None and first.outcome is not None:
-            on_tokens(first.outcome.total_tokens)
-        # A replica that cannot serve right now (its engine died) says so with 503: retry.
-        headers = {"Retry-After": "1"} if first.status == 503 else None
-        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
-    return StreamingResponse(
-        stream_sse(first, responses, deadline, record, on_tokens),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
-
-
-async def _before_retry(until: float) -> bool:
-    """Wait one retry interval if another attempt still fits before ``until``; say whether it does."""
-    if asyncio.get_running_loop().time() + RETRY_INTERVAL_S >= until:
-        return False
-    await asyncio.sleep(RETRY_INTERVAL_S)
-    return True
 
 
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
@@ -319,7 +156,7 @@ async def list_models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """Readiness: 200 only when every configured model has a running, healthy replica.
 
-    Answered from what :mod:`serve_app.readiness` last read, never by asking the
+    Answered from what :mod:`serve_app.ingress.readiness` last read, never by asking the
     controller; ``age_s`` says how old that is.
     """
     readiness: Readiness = request.app.state.readiness.readiness()

@@ -1,0 +1,97 @@
+"""What passes between the ingress and a model replica.
+
+The ingress calls a replica's ``chat`` or ``completion`` with a validated vLLM
+request (or, for a large body, a :class:`PickledRequest`) and the trace
+context. The replica answers every call with an async generator of
+:data:`Answer` items. Its first item decides the HTTP answer: a :class:`Reply`
+(a complete JSON body with its status: a unary response or an error found before
+any token) or the first piece of an SSE stream, already framed as
+``data: ...\\n\\n`` by vLLM's serving code. The ingress writes those bytes to the
+socket as they are: nothing is re-encoded per token. A stream's last item is its
+:class:`Outcome`, never written to the client; a stream that fails after it
+started ends with an error event (:func:`trailing_error` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from serve_app.errors import error_body, status_of
+
+DONE_EVENT = "data: [DONE]\n\n"
+ERROR_EVENT_PREFIX = 'data: {"error"'
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an answer ended: its tokens and finish reasons, for token limits, metrics and logs.
+
+    Every stream's last generator item, never written to the client; a unary
+    :class:`Reply` carries it. ``finish_reasons`` has one entry per choice that
+    finished (``stop``, ``length``, ``tool_calls``, ...).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: tuple[str, ...] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A complete (non-streamed) answer: HTTP status and JSON body."""
+
+    status: int
+    body: bytes
+    outcome: Outcome | None = None
+    code: str | None = None  # an error's OpenAI ``code``, for the ingress's record (retry, metrics)
+
+    @classmethod
+    def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
+        return cls(status, json.dumps(error_body(status, message, param, code)).encode(), code=code)
+
+
+Answer = Reply | str | Outcome  # what a replica's generator yields
+
+
+@dataclass(frozen=True)
+class PickledRequest:
+    """A validated vLLM request, pickled by the checker process, unpickled by the model replica.
+
+    The bytes come from this server's own checker, never from a client.
+    """
+
+    data: bytes
+    request_id: str
+    stream: bool
+
+    def load(self) -> BaseModel:
+        return pickle.loads(self.data)
+
+
+def is_error_event(chunk: str) -> bool:
+    return chunk.startswith(ERROR_EVENT_PREFIX)
+
+
+def trailing_error(chunk: str) -> tuple[int, str | None] | None:
+    """The status and code of an error event ending ``chunk`` (chunks are joined events), else None.
+
+    An error event is always a stream's last event (the replica's
+    :func:`serve_app.replica.stream_transforms.end_on_error_event`),
+    so only the end of a chunk is looked at: one substring search per chunk.
+    """
+    at = chunk.rfind(ERROR_EVENT_PREFIX)
+    if at < 0 or (at > 0 and not chunk.endswith("\n\n", 0, at)):
+        return None
+    try:
+        error = json.loads(chunk[at + len("data: ") :])["error"]
+        return status_of(error.get("type")), error.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 500, None
