@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test unit e2e bench tiny-model k8s-sync clean
+.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ serve: install tiny-model
 
 test: install tiny-model
 	$(BIN)/python -m pytest -v --durations=15
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 unit: install
 	$(BIN)/python -m pytest -v -m "not e2e"

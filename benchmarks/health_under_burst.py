@@ -68,10 +68,19 @@ async def measure(url: str, model: str, count: int, tokens: int, poll_s: float, 
     latencies, statuses = await asyncio.to_thread(ours.recv)
     prober.join()
     return {
-        "burst": {"requests": count, "max_tokens": tokens, "statuses": answers,
-                  "seconds": round(time.perf_counter() - started, 1)},
-        "health": {"path": path, "probes": len(latencies), "statuses": statuses,
-                   "latency_ms": percentiles(latencies), "max_ms": max(latencies) * 1000 if latencies else None},
+        "burst": {
+            "requests": count,
+            "max_tokens": tokens,
+            "statuses": answers,
+            "seconds": round(time.perf_counter() - started, 1),
+        },
+        "health": {
+            "path": path,
+            "probes": len(latencies),
+            "statuses": statuses,
+            "latency_ms": percentiles(latencies),
+            "max_ms": max(latencies) * 1000 if latencies else None,
+        },
     }
 
 
@@ -82,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--burst", type=int, default=600, help="requests sent at once")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each")
     parser.add_argument("--poll-ms", type=float, default=20.0)
-    parser.add_argument("--path", default="/health",
-                        help="what to probe; /-/healthz is answered by Serve's proxy alone, a baseline")
+    parser.add_argument(
+        "--path", default="/health", help="what to probe; /-/healthz is answered by Serve's proxy alone, a baseline"
+    )
     args = parser.parse_args(argv)
     result = asyncio.run(measure(args.url, args.model, args.burst, args.tokens, args.poll_ms / 1000, args.path))
     json.dump(result, sys.stdout, indent=2)

@@ -46,8 +46,9 @@ async def post_hostile(url: str, bodies: list[bytes], per_second: float, stop: a
 
         async def one(body: bytes) -> None:
             try:
-                response = await client.post("/v1/chat/completions", content=body,
-                                              headers={"Content-Type": "application/json"})
+                response = await client.post(
+                    "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+                )
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             except httpx.HTTPError as exc:
                 name = type(exc).__name__
@@ -87,8 +88,12 @@ async def measure(url: str, model: str, tokens: int, size_bytes: int, per_second
 
 def summary(record: RequestRecord) -> dict[str, Any]:
     gaps = percentiles(record.gaps_s)
-    return {"ok": record.ok, "error": record.error, "gaps_ms": gaps,
-            "max_gap_ms": max(record.gaps_s) * 1000 if record.gaps_s else None}
+    return {
+        "ok": record.ok,
+        "error": record.error,
+        "gaps_ms": gaps,
+        "max_gap_ms": max(record.gaps_s) * 1000 if record.gaps_s else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

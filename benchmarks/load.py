@@ -149,12 +149,14 @@ def print_table(result: dict[str, Any]) -> None:
         name = f"concurrency {load['concurrency']}" if load["concurrency"] else f"rate {load['rate']:g}/s"
         ok = level["requests"] - level["failed"]
 
-        def ms(metric: str, p: str = "p50") -> str:
+        def ms(metric: str, p: str = "p50", level: dict[str, Any] = level) -> str:
             value = level[metric][p]
             return "-" if value is None else f"{value:.1f}"
 
-        print(f"{name:>18} {ok:>5} {ms('ttft_ms'):>9} {ms('tpot_ms'):>9} {ms('e2e_ms'):>9} "
-              f"{ms('e2e_ms', 'p99'):>9} {level['output_tokens_per_s']:>8.1f}")
+        print(
+            f"{name:>18} {ok:>5} {ms('ttft_ms'):>9} {ms('tpot_ms'):>9} {ms('e2e_ms'):>9} "
+            f"{ms('e2e_ms', 'p99'):>9} {level['output_tokens_per_s']:>8.1f}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,8 +20,9 @@ def plot_levels(result: dict[str, Any], path: Path) -> None:
         for p, alpha in (("p50", 1.0), ("p99", 0.45)):
             y = [level[metric][p] for level in levels]
             latency.plot(x, y, style, alpha=alpha, label=f"{metric[:-3]} {p}")
-    latency.set(xlabel="requests per second" if by_rate else "concurrent streams", ylabel="ms", yscale="log",
-                title="latency")
+    latency.set(
+        xlabel="requests per second" if by_rate else "concurrent streams", ylabel="ms", yscale="log", title="latency"
+    )
     latency.legend(fontsize=8)
     throughput.plot(x, [level["output_tokens_per_s"] for level in levels], "o-")
     throughput.set(xlabel=latency.get_xlabel(), ylabel="output tokens / s", title="throughput")
@@ -30,8 +31,9 @@ def plot_levels(result: dict[str, Any], path: Path) -> None:
         if not by_rate:
             axis.set_xscale("log", base=2)
     workload = result["workload"]
-    figure.suptitle(f"{result['url']}  {workload['model']}  in {workload['input_tokens']} / out "
-                    f"{workload['output_tokens']} tokens")
+    figure.suptitle(
+        f"{result['url']}  {workload['model']}  in {workload['input_tokens']} / out {workload['output_tokens']} tokens"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

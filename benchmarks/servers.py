@@ -57,9 +57,20 @@ def bare_vllm(config: dict[str, Any], model: str | None, workdir: Path, cwd: Pat
     engine_args = workdir / "engine_args.yaml"
     engine_args.write_text(yaml.safe_dump(entry["engine_args"], sort_keys=False))
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--config", str(engine_args),
-            "--served-model-name", entry["name"], "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--config",
+        str(engine_args),
+        "--served-model-name",
+        entry["name"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ]
     return ServerCommand("bare vLLM", argv, runtime_env_vars(application), cwd, f"http://127.0.0.1:{port}", "/health")
 
 
@@ -96,8 +107,14 @@ def runtime_env_vars(application: dict[str, Any]) -> dict[str, str]:
 def running(server: ServerCommand, log_path: Path) -> Iterator[ServerCommand]:
     """The server, started and healthy; stopped (its whole process group) on leaving."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen(server.argv, cwd=server.cwd, env=os.environ | server.env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            server.argv,
+            cwd=server.cwd,
+            env=os.environ | server.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_until_healthy(server, proc, log_path)
         yield server

@@ -66,8 +66,16 @@ def compare(bare: dict[str, Any], app: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         b, a = goal.figure(bare_level), goal.figure(app_level)
         compared = goal.compare(b, a)
-        rows.append({"goal": goal.name, "bare": b, "app": a, goal.kind: compared,
-                     "target": f"{'<=' if goal.at_most else '>='} {goal.target:g}", "met": goal.met(compared)})
+        rows.append(
+            {
+                "goal": goal.name,
+                "bare": b,
+                "app": a,
+                goal.kind: compared,
+                "target": f"{'<=' if goal.at_most else '>='} {goal.target:g}",
+                "met": goal.met(compared),
+            }
+        )
     return rows
 
 
@@ -79,8 +87,10 @@ def print_comparison(rows: list[dict[str, Any]], labels: tuple[str, str] = ("bar
     print(f"\n{'figure':<38} {labels[0]:>10} {labels[1]:>10} {'compared':>16} {'target':>8}  met")
     for row in rows:
         compared = f"{row['difference']:+.1f} ms" if "difference" in row else f"{row['ratio']:.2f}x"
-        print(f"{row['goal']:<38} {row['bare']:>10.1f} {row['app']:>10.1f} {compared:>16} {row['target']:>8}  "
-              f"{'yes' if row['met'] else 'NO'}")
+        print(
+            f"{row['goal']:<38} {row['bare']:>10.1f} {row['app']:>10.1f} {compared:>16} {row['target']:>8}  "
+            f"{'yes' if row['met'] else 'NO'}"
+        )
 
 
 def measure(server, workload: Workload, loads: list[Load], log: Path) -> dict[str, Any]:

@@ -68,9 +68,7 @@ def validate_deployment_options(options: dict[str, Any]) -> dict[str, Any]:
             AutoscalingConfig(**options["autoscaling_config"])
     except ValidationError as exc:
         where = "autoscaling_config." if exc.title == "AutoscalingConfig" else ""
-        problems = "; ".join(
-            where + ".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in exc.errors()
-        )
+        problems = "; ".join(where + ".".join(str(p) for p in e["loc"]) + ": " + e["msg"] for e in exc.errors())
         raise ValueError(problems) from None
     return options
 
@@ -164,9 +162,7 @@ class ModelConfig(_Strict):
         # vLLM's default max_num_seqs depends on the hardware, so a replica's
         # concurrency limit cannot be matched to it without knowing it.
         if "max_num_seqs" not in self.engine_args and "max_ongoing_requests" not in self.deployment:
-            raise ValueError(
-                "set engine_args.max_num_seqs (deployment.max_ongoing_requests defaults to it)"
-            )
+            raise ValueError("set engine_args.max_num_seqs (deployment.max_ongoing_requests defaults to it)")
         return self
 
     @property

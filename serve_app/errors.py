@@ -86,9 +86,7 @@ class APIError(Exception):
         return f"{self.status} {HTTPStatus(self.status).phrase}: {self.message}"
 
 
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 

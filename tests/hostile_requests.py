@@ -37,9 +37,11 @@ def encoded(body: Any) -> bytes:
 
 
 def nested(depth: int) -> bytes:
-    return b'{"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}], "metadata": ' + (
-        b"[" * depth + b"]" * depth
-    ) + b"}"
+    return (
+        b'{"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}], "metadata": '
+        + (b"[" * depth + b"]" * depth)
+        + b"}"
+    )
 
 
 def padded(body: dict[str, Any], size: int = 300_000) -> bytes:
@@ -110,14 +112,26 @@ HOSTILE: list[Hostile] = [
     Hostile("model missing", encoded(without(chat(), "model")), 400, "model"),
     Hostile("model not served", encoded(chat(model="gpt-4")), 404, "model"),
     Hostile("model name of 100000 characters", encoded(chat(model="m" * 100_000)), 404, "model"),
-    Hostile("unknown parameter named with 100000 characters", encoded(chat(**{"p" * 100_000: 1})), 400,
-            "p" * 100 + "…"),
-    Hostile("kv_transfer_params (token ids past the template)", encoded(chat(
-        kv_transfer_params={"prompt_token_ids": [1, 2, 3]})), 400, "kv_transfer_params"),
-    Hostile("named tool not offered", encoded(chat(
-        tools=[{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}],
-        tool_choice={"type": "function", "function": {"name": "b"}},
-    )), 400, "tool_choice"),
+    Hostile(
+        "unknown parameter named with 100000 characters", encoded(chat(**{"p" * 100_000: 1})), 400, "p" * 100 + "…"
+    ),
+    Hostile(
+        "kv_transfer_params (token ids past the template)",
+        encoded(chat(kv_transfer_params={"prompt_token_ids": [1, 2, 3]})),
+        400,
+        "kv_transfer_params",
+    ),
+    Hostile(
+        "named tool not offered",
+        encoded(
+            chat(
+                tools=[{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}],
+                tool_choice={"type": "function", "function": {"name": "b"}},
+            )
+        ),
+        400,
+        "tool_choice",
+    ),
     # Bodies over 256 KiB are checked in another process, with the same answers
     Hostile("large body, bad parameter", padded(chat(temperature=3)), 400, "temperature"),
     Hostile("large body, unknown parameter", padded(chat(temperatur=0.5)), 400, "temperatur"),
@@ -126,11 +140,19 @@ HOSTILE: list[Hostile] = [
     Hostile("bad X-Request-Timeout", encoded(chat()), 400, "x-request-timeout", headers={"X-Request-Timeout": "soon"}),
     # Completions
     Hostile("completion without prompt", encoded({"model": MODEL, "max_tokens": 4}), 400, "prompt", COMPLETION_PATH),
-    Hostile("completion prompt an object", encoded({"model": MODEL, "prompt": {"a": 1}}), 400, "prompt", COMPLETION_PATH),
-    Hostile("completion logprobs 6", encoded({"model": MODEL, "prompt": "hi", "logprobs": 6}), 400, "logprobs",
-            COMPLETION_PATH),
-    Hostile("completion echo 'no'", encoded({"model": MODEL, "prompt": "hi", "echo": "no"}), 400, "echo",
-            COMPLETION_PATH),
+    Hostile(
+        "completion prompt an object", encoded({"model": MODEL, "prompt": {"a": 1}}), 400, "prompt", COMPLETION_PATH
+    ),
+    Hostile(
+        "completion logprobs 6",
+        encoded({"model": MODEL, "prompt": "hi", "logprobs": 6}),
+        400,
+        "logprobs",
+        COMPLETION_PATH,
+    ),
+    Hostile(
+        "completion echo 'no'", encoded({"model": MODEL, "prompt": "hi", "echo": "no"}), 400, "echo", COMPLETION_PATH
+    ),
     # Routes
     Hostile("GET on a POST route", b"", 405, method="GET"),
     Hostile("unknown route", encoded(chat()), 404, path="/v1/chat/complete"),

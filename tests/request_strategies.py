@@ -31,9 +31,25 @@ MESSAGE = st.fixed_dictionaries(
 )
 # Parameters a fuzzed body may carry, with any JSON value (plus a few names nobody knows).
 FREE_PARAMS = [
-    "stream", "temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
-    "logprobs", "top_logprobs", "seed", "tools", "tool_choice", "response_format", "stream_options", "user",
-    "store", "metadata", "temperatur", "guided_json",
+    "stream",
+    "temperature",
+    "top_p",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "stream_options",
+    "user",
+    "store",
+    "metadata",
+    "temperatur",
+    "guided_json",
 ]
 
 
@@ -41,7 +57,10 @@ def chat_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
     """Chat-shaped bodies. With ``max_output``, any that the server accepts asks for at most that many tokens."""
     tokens = st.integers(-5, 5000) | JSON_VALUE if max_output is None else st.integers(-1, max_output) | JSON_LEAF
     choices = st.integers(-2, 200) | JSON_VALUE if max_output is None else st.integers(-1, 2) | JSON_LEAF
-    required = {"model": st.just(MODEL) | JSON_VALUE, "messages": st.lists(MESSAGE | JSON_VALUE, max_size=3) | JSON_VALUE}
+    required = {
+        "model": st.just(MODEL) | JSON_VALUE,
+        "messages": st.lists(MESSAGE | JSON_VALUE, max_size=3) | JSON_VALUE,
+    }
     if max_output is not None:
         required["max_tokens"] = tokens  # always bounded: no default of "the rest of the context"
     optional = {name: JSON_VALUE for name in FREE_PARAMS} | {"n": choices}
@@ -53,7 +72,9 @@ def chat_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
 def completion_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
     """Completion-shaped bodies: a prompt as text, token ids, a batch, or anything."""
     tokens = st.integers(-5, 5000) | JSON_VALUE if max_output is None else st.integers(-1, max_output) | JSON_LEAF
-    prompt = st.text(max_size=30) | st.lists(st.integers(-3, 600), max_size=6) | st.lists(st.text(max_size=8), max_size=3)
+    prompt = (
+        st.text(max_size=30) | st.lists(st.integers(-3, 600), max_size=6) | st.lists(st.text(max_size=8), max_size=3)
+    )
     required = {"model": st.just(MODEL) | JSON_VALUE, "prompt": prompt | JSON_VALUE, "max_tokens": tokens}
     optional = {name: JSON_VALUE for name in ("stream", "temperature", "stop", "logprobs", "echo", "seed", "suffix")}
     return st.fixed_dictionaries(required, optional=optional)

@@ -94,9 +94,7 @@ def generate(out_dir: Path, seed: int = 0) -> Path:
     model.generation_config.pad_token_id = stop_ids[0]
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "tiny_model.json").write_text(
-        json.dumps({"generator": "tools.tiny_model", "seed": seed}) + "\n"
-    )
+    (out_dir / "tiny_model.json").write_text(json.dumps({"generator": "tools.tiny_model", "seed": seed}) + "\n")
     return out_dir
 
 

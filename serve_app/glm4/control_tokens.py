@@ -112,6 +112,4 @@ def find_control_mark(value: Any, where: str = "") -> str | None:
     return None
 
 
-MARK_REFUSED = (
-    "contains U+FDD0, a Unicode noncharacter this server reserves for marking GLM-4's control tokens"
-)
+MARK_REFUSED = "contains U+FDD0, a Unicode noncharacter this server reserves for marking GLM-4's control tokens"

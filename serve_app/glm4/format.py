@@ -50,6 +50,7 @@ def plain_chat_template() -> str:
     assert _MARKED_CONTROL in template, "the chat template's control() macro changed"
     return template.replace(_MARKED_CONTROL, "{{ token }}")
 
+
 HALF_PRECISION = frozenset({"half", "float16", "fp16"})
 REFUSED_DTYPE_REASON = (
     "GLM-4-9B-Chat's weights are bfloat16 and its activations overflow float16, "

@@ -107,9 +107,7 @@ class Glm4ToolParser(ToolParser):
             request.skip_special_tokens = False
         return request
 
-    def extract_tool_calls(
-        self, model_output: str, request: ChatCompletionRequest
-    ) -> ExtractedToolCallInformation:
+    def extract_tool_calls(self, model_output: str, request: ChatCompletionRequest) -> ExtractedToolCallInformation:
         parsed = parse_output(model_output, tool_names(request))
         return ExtractedToolCallInformation(
             tools_called=bool(parsed.calls),
@@ -160,9 +158,7 @@ class Glm4Parser(DelegatingParser):
         finished: bool,
     ) -> DeltaMessage | None:
         if uses_vllm_json_calls(request):
-            return super().parse_delta(
-                delta_text, delta_token_ids, request, prompt_token_ids, finished=finished
-            )
+            return super().parse_delta(delta_text, delta_token_ids, request, prompt_token_ids, finished=finished)
         if self._stream is None:
             if reads_glm4_calls(request):
                 self._stream = ToolCallStream(tool_names(request))

@@ -47,9 +47,7 @@ Event = str | ToolCall
 """What a stream releases: a piece of text, or a finished call."""
 
 
-def parse_output(
-    text: str, tool_names: Collection[str], separator: str | None = TURN_SEPARATOR
-) -> ParsedOutput:
+def parse_output(text: str, tool_names: Collection[str], separator: str | None = TURN_SEPARATOR) -> ParsedOutput:
     """Split a complete answer into its text and its function calls."""
     stream = ToolCallStream(tool_names, separator)
     events = stream.feed(text) + stream.finish()

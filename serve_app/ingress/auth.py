@@ -133,15 +133,15 @@ class APIKeys:
         try:
             digests = parse_keys(self.read())
         except (OSError, MalformedKeys) as exc:
-            logger.error("API keys from %s not reloaded, keeping the previous %d: %s",
-                         self.describe, len(self._digests), exc)
+            logger.error(
+                "API keys from %s not reloaded, keeping the previous %d: %s", self.describe, len(self._digests), exc
+            )
             return
         self._digests = digests
         if digests:
             logger.info("API keys reloaded from %s: %d keys", self.describe, len(digests))
         else:
-            logger.error("API keys from %s now hold no key: every key is revoked, all requests get 401",
-                         self.describe)
+            logger.error("API keys from %s now hold no key: every key is revoked, all requests get 401", self.describe)
 
     def identify(self, key: str) -> str | None:
         """The id of ``key`` if it is one of the configured keys (else None), without an early exit.

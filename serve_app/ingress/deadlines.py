@@ -46,8 +46,7 @@ class Deadline:
     def first_token_expired(self) -> APIError:
         return APIError(
             504,
-            f"no answer began within {self.first_token_s:g} s (the model is busy or stuck); "
-            "the request was cancelled",
+            f"no answer began within {self.first_token_s:g} s (the model is busy or stuck); the request was cancelled",
             code="first_token_timeout",
         )
 
@@ -67,7 +66,9 @@ def requested_timeout(headers: Mapping[str, str]) -> float | None:
     except ValueError:
         value = math.nan
     if not (value > 0 and math.isfinite(value)):
-        raise APIError(400, f"X-Request-Timeout must be a positive number of seconds, got {raw!r}", param=TIMEOUT_HEADER)
+        raise APIError(
+            400, f"X-Request-Timeout must be a positive number of seconds, got {raw!r}", param=TIMEOUT_HEADER
+        )
     return value
 
 

@@ -46,9 +46,7 @@ def replica_failure(exc: BaseException) -> APIError:
     )
 
     if isinstance(exc, BackPressureError):
-        return APIError(
-            429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"}
-        )
+        return APIError(429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"})
     if isinstance(
         exc,
         (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError),

@@ -171,18 +171,14 @@ def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_outpu
                 400, f"{name} is {value}; this server answers with at most {max_output_tokens} tokens", param=name
             )
         if max_model_len is not None and value > max_model_len:
-            raise APIError(
-                400, f"{name} is {value}; the model's context is {max_model_len} tokens", param=name
-            )
+            raise APIError(400, f"{name} is {value}; the model's context is {max_model_len} tokens", param=name)
 
 
 def check_choices(body: dict[str, Any], max_n: int) -> None:
     """Each choice is a sequence in the engine's batch: one request may not take the whole batch."""
     n = body.get("n")
     if type(n) is int and n > max_n:
-        raise APIError(
-            400, f"n is {n}; this server answers at most {max_n} choices per request", param="n"
-        )
+        raise APIError(400, f"n is {n}; this server answers at most {max_n} choices per request", param="n")
 
 
 def check_roles(messages: Any) -> None:
@@ -217,7 +213,7 @@ def check_ranges(body: dict[str, Any]) -> None:
         if any(not s for s in stop):
             raise APIError(400, "stop sequences must not be empty", param="stop")
     logit_bias = body.get("logit_bias")
-    for token, bias in (logit_bias.items() if isinstance(logit_bias, dict) else ()):
+    for token, bias in logit_bias.items() if isinstance(logit_bias, dict) else ():
         if isinstance(bias, (int, float)) and not -100 <= bias <= 100:
             raise APIError(400, f"logit_bias[{token}] is {bias}; it must be between -100 and 100", param="logit_bias")
 
@@ -250,8 +246,6 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 def parameter_path(loc: tuple[int | str, ...]) -> str:
     """``messages.0.content`` from a pydantic location, without union branch names."""
     kept = [
-        str(part)
-        for part in loc
-        if isinstance(part, int) or (_PARAM_SEGMENT.match(part) and part not in _TYPE_NAMES)
+        str(part) for part in loc if isinstance(part, int) or (_PARAM_SEGMENT.match(part) and part not in _TYPE_NAMES)
     ]
     return ".".join(kept)

@@ -85,14 +85,18 @@ class ServingMetrics:
             tag_keys=("model", "endpoint", "status", "finish_reason"),
         )
         self.rejected = Counter(
-            REJECTED, "Requests answered 429: queue full (overloaded) or a key's rate limit.", tag_keys=("model", "reason")
+            REJECTED,
+            "Requests answered 429: queue full (overloaded) or a key's rate limit.",
+            tag_keys=("model", "reason"),
         )
         self.aborted = Counter(
-            ABORTED, "Requests whose client left before the answer ended; generation was aborted.",
+            ABORTED,
+            "Requests whose client left before the answer ended; generation was aborted.",
             tag_keys=("model", "phase"),
         )
         self.engine_failures = Counter(
-            ENGINE_FAILURES, "Requests whose engine died while generating them; answered with an error, not retried.",
+            ENGINE_FAILURES,
+            "Requests whose engine died while generating them; answered with an error, not retried.",
             tag_keys=model,
         )
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=model)
@@ -104,17 +108,18 @@ class ServingMetrics:
                 self._gauges.set(gauge, 0, {"model": name})
             model = {"model": name}
             for counter, tags in [
-                (self.prompt_tokens, model), (self.completion_tokens, model), (self.engine_failures, model),
+                (self.prompt_tokens, model),
+                (self.completion_tokens, model),
+                (self.engine_failures, model),
                 (self.rejected, model | {"reason": "overloaded"}),
                 (self.rejected, model | {"reason": "rate_limit_exceeded"}),
-                (self.aborted, model | {"phase": "waiting"}), (self.aborted, model | {"phase": "streaming"}),
+                (self.aborted, model | {"phase": "waiting"}),
+                (self.aborted, model | {"phase": "streaming"}),
             ]:
                 start_at_zero(counter, tags)
             for endpoint in endpoints:  # the statuses the alerting rules divide by the total
                 for status in ALERTED_STATUSES:
-                    start_at_zero(
-                        self.requests, model | {"endpoint": endpoint, "status": status, "finish_reason": ""}
-                    )
+                    start_at_zero(self.requests, model | {"endpoint": endpoint, "status": status, "finish_reason": ""})
 
     def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
         """Keep the gauges: called by a record on each change of phase once it has a model."""

@@ -91,9 +91,7 @@ class ModelServer:
         frontend_args = FrontendArgs(**frontend_kwargs)
         args = argparse.Namespace(**(vars(frontend_args) | engine_values))
         state = State()
-        await init_app_state(
-            self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks()
-        )
+        await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
         stop_ids = glm4_serving.configure(state, self.engine)
         enforce_context_limit(state.openai_serving_chat, "render_chat_request")
         enforce_context_limit(state.openai_serving_completion, "render_completion_request")
@@ -120,9 +118,7 @@ class ModelServer:
 
     async def completion(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:
         """Answer a validated ``CompletionRequest``; ``trace_context`` continues the ingress's trace."""
-        async for item in self._answer(
-            "completion", self.completion_serving.create_completion, request, trace_context
-        ):
+        async for item in self._answer("completion", self.completion_serving.create_completion, request, trace_context):
             yield item
 
     async def _answer(
@@ -133,8 +129,11 @@ class ModelServer:
         span = tracing.start_replica_span(
             f"{endpoint} {self.model_name}",
             trace_context,
-            {"gen_ai.request.model": self.model_name, "gen_ai.response.id": request.request_id,
-             "serve.replica_id": self.replica_id},
+            {
+                "gen_ai.request.model": self.model_name,
+                "gen_ai.response.id": request.request_id,
+                "serve.replica_id": self.replica_id,
+            },
         )
         started = time.monotonic()
         outcome: Outcome | None = None
@@ -170,8 +169,10 @@ class ModelServer:
             result = create_error_response(exc)
         if isinstance(result, ErrorResponse):
             # The engine died while it held this request, which may be what killed it: not retryable.
-            yield _engine_failed() if self.watch.failed else Reply.error(
-                result.error.code, result.error.message, result.error.param
+            yield (
+                _engine_failed()
+                if self.watch.failed
+                else Reply.error(result.error.code, result.error.message, result.error.param)
             )
         elif isinstance(result, BaseModel):
             yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
@@ -243,8 +244,9 @@ def progress_stat_logger(progress: EngineProgress) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
             progress.saw_output()
 
         def log_engine_initialized(self) -> None:

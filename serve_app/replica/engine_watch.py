@@ -97,11 +97,15 @@ class EngineWatch:
             logger.error(
                 "the vLLM engine holds %d requests and has produced nothing for %.0f s: taken as hung; "
                 "this replica answers its %d calls with errors, then exits",
-                self.held(), self._stall_seconds(), self.ongoing,
+                self.held(),
+                self._stall_seconds(),
+                self.ongoing,
             )
             self.fail_requests()
         else:
-            logger.error("the vLLM engine died: this replica answers its %d calls with errors, then exits", self.ongoing)
+            logger.error(
+                "the vLLM engine died: this replica answers its %d calls with errors, then exits", self.ongoing
+            )
         drain_by = time.monotonic() + drain_s
         while self.ongoing and time.monotonic() < drain_by:
             await asyncio.sleep(poll_s / 5)

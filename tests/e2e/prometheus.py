@@ -41,11 +41,13 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{
-                "job_name": "ray",
-                "metrics_path": target.path or "/metrics",
-                "static_configs": [{"targets": [target.netloc]}],
-            }],
+            "scrape_configs": [
+                {
+                    "job_name": "ray",
+                    "metrics_path": target.path or "/metrics",
+                    "static_configs": [{"targets": [target.netloc]}],
+                }
+            ],
         }
         config_file = workdir / "prometheus.yml"
         config_file.write_text(yaml.safe_dump(config))

@@ -69,12 +69,33 @@ class RayCluster:
         ray_cli = Path(sys.executable).with_name("ray")
         log = (self.root / "ray-start.log").open("w")
         self.process = subprocess.Popen(
-            [str(ray_cli), "start", "--head", "--block", "--disable-usage-stats",
-             "--temp-dir", str(self.root / "ray"), "--node-ip-address", "127.0.0.1",
-             "--port", str(self.gcs_port), "--dashboard-host", "127.0.0.1",
-             "--dashboard-port", str(self.dashboard_port), "--metrics-export-port", str(self.metrics_port),
-             "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())],
-            env=os.environ | self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(ray_cli),
+                "start",
+                "--head",
+                "--block",
+                "--disable-usage-stats",
+                "--temp-dir",
+                str(self.root / "ray"),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                str(self.gcs_port),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(self.dashboard_port),
+                "--metrics-export-port",
+                str(self.metrics_port),
+                "--ray-client-server-port",
+                str(free_port()),
+                "--dashboard-agent-listen-port",
+                str(free_port()),
+            ],
+            env=os.environ | self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         # `ray start` writes the cluster's address there once the head is up.
         ready = self.root / "ray" / "ray_current_cluster"

@@ -56,7 +56,9 @@ async def running(handle: Any, count: int) -> bool:
 async def only_one_running(handle: Any) -> bool:
     """Exactly one replica, running, and the deployment healthy: nothing starting or draining."""
     deployment = await deployment_status(handle)
-    return deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}
+    return (
+        deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}
+    )
 
 
 async def serving_alone(handle: Any) -> bool:

@@ -129,5 +129,7 @@ async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back
         line = logged[request_id]
         assert (line["status"], line["error"], line["attempts"]) == (500, "engine_failed", 1), line
     back = await single_replica(one_replica)
-    print(f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that died got one error each "
-          f"and never reached the other replica; back to 1 replica in {back:.0f} s")
+    print(
+        f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that died got one error each "
+        f"and never reached the other replica; back to 1 replica in {back:.0f} s"
+    )

@@ -11,8 +11,27 @@ from benchmarks.load import main
 
 async def test_benchmark_measures_the_app(app, tmp_path):
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["--url", app.url, "--model", app.model, "--concurrency", "1", "4", "--requests", "8",
-            "--input-tokens", "16", "--output-tokens", "8", "--warmup", "1", "--out", str(out), "--plot", str(plot)]
+    argv = [
+        "--url",
+        app.url,
+        "--model",
+        app.model,
+        "--concurrency",
+        "1",
+        "4",
+        "--requests",
+        "8",
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "8",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
     result = await asyncio.to_thread(main, argv)  # it runs its own event loop
     assert [level["failed"] for level in result["levels"]] == [0, 0], [lv["errors"] for lv in result["levels"]]
     for level in result["levels"]:
@@ -26,10 +45,30 @@ async def test_vllm_bench_serve_measures_the_app(app, tmp_path):
     """vLLM's own serving benchmark, unchanged, against the app: every request completes."""
     from benchmarks.vllm_bench_serve import main as vllm_bench_serve
 
-    argv = ["--backend", "openai", "--base-url", app.url, "--model", app.model, "--tokenizer", str(app.model_path),
-            "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "8",
-            # ignore_eos switches GLM-4's stop tokens off, as in bare vLLM: every answer has 8 tokens.
-            "--max-concurrency", "4", "--ignore-eos", "--seed", "1"]
+    argv = [
+        "--backend",
+        "openai",
+        "--base-url",
+        app.url,
+        "--model",
+        app.model,
+        "--tokenizer",
+        str(app.model_path),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "8",
+        # ignore_eos switches GLM-4's stop tokens off, as in bare vLLM: every answer has 8 tokens.
+        "--max-concurrency",
+        "4",
+        "--ignore-eos",
+        "--seed",
+        "1",
+    ]
     result = await asyncio.to_thread(vllm_bench_serve, argv)  # it runs its own event loop
     assert (result["completed"], result["failed"]) == (8, 0), result.get("errors")
     assert result["total_output_tokens"] == 8 * 8

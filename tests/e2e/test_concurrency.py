@@ -63,9 +63,7 @@ async def test_concurrent_streams_each_deliver_every_token(app, client):
 
 async def test_concurrent_unary_requests_each_complete(app, client):
     body = chat_body(app.model)
-    responses = await asyncio.gather(
-        *(client.post("/v1/chat/completions", json=body) for _ in range(CONCURRENCY))
-    )
+    responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(CONCURRENCY)))
     ids = set()
     for response in responses:
         assert response.status_code == 200, response.text

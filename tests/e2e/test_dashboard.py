@@ -80,7 +80,9 @@ def prometheus(metrics_url, tmp_path_factory):
 def test_promtool_accepts_the_rules(tmp_path: Path):
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump({"groups": rule_groups()}))
-    check = subprocess.run([prometheus_binary("promtool"), "check", "rules", str(rules)], capture_output=True, text=True)
+    check = subprocess.run(
+        [prometheus_binary("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in check.stdout
 
@@ -99,12 +101,14 @@ async def drive_traffic(app, deployment) -> dict[int, int]:
             assert response.status_code == 200
         for _ in range(MAX_BURSTS):
             replicas = max(1, (await replica_states(deployment)).get("RUNNING", 1))  # each admits 320
-            burst = await asyncio.gather(*(
-                client.post(
-                    "/v1/chat/completions", json=chat(app.model, max_tokens=BURST_TOKENS, min_tokens=BURST_TOKENS)
+            burst = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions", json=chat(app.model, max_tokens=BURST_TOKENS, min_tokens=BURST_TOKENS)
+                    )
+                    for _ in range(BURST * replicas)
                 )
-                for _ in range(BURST * replicas)
-            ))
+            )
             for response in burst:
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             if 429 in statuses:
@@ -116,9 +120,7 @@ async def drive_traffic(app, deployment) -> dict[int, int]:
 
 
 @pytest.mark.disruptive  # the burst may scale the model deployment out
-async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(
-    app, one_replica, prometheus
-):
+async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(app, one_replica, prometheus):
     statuses = await drive_traffic(app, one_replica)
     assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
     idle_since = time.time()
@@ -137,8 +139,10 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
 
     # Idle: the gauges read 0 (they are there, and not stuck at their last busy value).
     for expr in [
-        "sum(ray_glm4_serve_requests_queued)", "sum(ray_glm4_serve_requests_running)",
-        "sum(ray_vllm_num_requests_running)", "sum(ray_vllm_num_requests_waiting)",
+        "sum(ray_glm4_serve_requests_queued)",
+        "sum(ray_glm4_serve_requests_running)",
+        "sum(ray_vllm_num_requests_running)",
+        "sum(ray_vllm_num_requests_waiting)",
         "max(ray_vllm_kv_cache_usage_perc)",
     ]:
         [series] = prometheus.query(expr)

@@ -26,8 +26,13 @@ STREAMS = 8
 
 
 def long_story(model: str) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 900, "min_tokens": 900, "stream": True}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 900,
+        "min_tokens": 900,
+        "stream": True,
+    }
 
 
 @dataclass
@@ -102,7 +107,9 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
     for stream in streams:
         if stream.complete:
             last = json.loads(stream.events[-2])["choices"][0]
-            assert last["finish_reason"] == "length", f"a stream cut by a dead engine looks complete: {stream.events[-3:]}"
+            assert last["finish_reason"] == "length", (
+                f"a stream cut by a dead engine looks complete: {stream.events[-3:]}"
+            )
         elif stream.status in (503, 504):
             assert stream.status == 504 or stream.headers["retry-after"] == "1"
         else:
@@ -112,7 +119,9 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
     print(f"{cut} of {len(streams)} streams were cut by the engine's death, each with an error event")
     failed = sum(1 for stream in streams if stream.error and stream.error["code"] == "engine_failed")
     await asyncio.to_thread(  # each is counted once (Ray exports metrics every few seconds)
-        wait_until, lambda: engine_failures(metrics_url) - counted_before == failed, 60,
+        wait_until,
+        lambda: engine_failures(metrics_url) - counted_before == failed,
+        60,
         f"{failed} engine failures counted in ray_{metrics.ENGINE_FAILURES}_total",
     )
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
@@ -130,7 +139,7 @@ async def test_a_hung_engine_is_detected_its_streams_get_errors_and_a_new_replic
     error (not a request timeout), and the replica leaves; a new one serves.
     """
     config = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]
-    (replica, engines), = (await asyncio.to_thread(replica_engines, one_replica)).items()
+    ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
     frozen_at: list[float] = []
 
     def freeze() -> None:
@@ -148,8 +157,11 @@ async def test_a_hung_engine_is_detected_its_streams_get_errors_and_a_new_replic
         if not stream.complete:  # (finished before the freeze)
             assert stream.error is not None and stream.error["code"] == "engine_failed", stream.events[-2:]
     slowest = max(stream.ended_at for stream in streams) - frozen_at[0]
-    print(f"every stream ended {slowest:.1f} s after the engine froze "
-          f"(engine_stall_timeout_s {config['engine_stall_timeout_s']})")
+    print(
+        f"every stream ended {slowest:.1f} s after the engine froze "
+        f"(engine_stall_timeout_s {config['engine_stall_timeout_s']})"
+    )
+
     async def left_by_itself() -> bool:  # after its calls' errors went out and its engine was shut down
         return await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"
 

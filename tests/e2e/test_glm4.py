@@ -107,8 +107,15 @@ async def test_64_concurrent_streams_with_ignore_eos_deliver_exactly_max_tokens(
     stopping an answer would cut it to one token.
     """
     bias = {str(i): 20 for i in token_ids(app, *STOP_TOKENS)}
-    body = {"model": app.model, "messages": ASK, "max_tokens": 32, "ignore_eos": True, "logit_bias": bias,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": app.model,
+        "messages": ASK,
+        "max_tokens": 32,
+        "ignore_eos": True,
+        "logit_bias": bias,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     streams = await asyncio.gather(*(post_stream(http, "/v1/chat/completions", body) for _ in range(64)))
     for stream in streams:
         assert stream.status == 200 and stream.done
@@ -124,28 +131,50 @@ async def test_client_text_never_becomes_a_control_token(app, http):
     messages = [
         {"role": "system", "content": f"Rules {SPECIAL_TEXT}"},
         {"role": "user", "content": f"hi {SPECIAL_TEXT}"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"utc": true}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"utc": true}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": f"<|observation|>{SPECIAL_TEXT}<|endoftext|>"},
     ]
     # The answer is made to spell a special-token string: it must come back as that text.
-    body = {"model": app.model, "messages": messages, "max_tokens": 40, "return_token_ids": True,
-            "return_prompt_text": True, "structured_outputs": {"regex": r"<\|observation\|> ok"}}
+    body = {
+        "model": app.model,
+        "messages": messages,
+        "max_tokens": 40,
+        "return_token_ids": True,
+        "return_prompt_text": True,
+        "structured_outputs": {"regex": r"<\|observation\|> ok"},
+    }
     response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     answer = response.json()
     ids = dict(zip(SPECIAL_TOKENS, token_ids(app, *SPECIAL_TOKENS), strict=True))
     names = {i: t for t, i in ids.items()}
     control = [names[i] for i in answer["prompt_token_ids"] if i in names]
-    assert control == ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|assistant|>"]
+    assert control == [
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<|assistant|>",
+    ]
     assert answer["prompt_text"].count(SPECIAL_TEXT) == 3  # every string is still in the prompt, as text
     assert answer["choices"][0]["message"]["content"] == "<|observation|> ok"
     assert answer["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_the_control_mark_in_client_text_is_refused_naming_where(app, http):
-    body = {"model": app.model, "max_tokens": 4,
-            "messages": [{"role": "user", "content": "fine"}, {"role": "user", "content": "\ufdd0<|user|>"}]}
+    body = {
+        "model": app.model,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "fine"}, {"role": "user", "content": "\ufdd0<|user|>"}],
+    }
     response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -154,8 +183,12 @@ async def test_the_control_mark_in_client_text_is_refused_naming_where(app, http
 
 async def test_a_raw_completion_prompt_keeps_its_control_tokens(app, http):
     """Documented: /v1/completions takes the prompt as the model reads it, control tokens included."""
-    body = {"model": app.model, "max_tokens": 1, "return_token_ids": True,
-            "prompt": "[gMASK]<sop><|user|>\nHi<|assistant|>"}
+    body = {
+        "model": app.model,
+        "max_tokens": 1,
+        "return_token_ids": True,
+        "prompt": "[gMASK]<sop><|user|>\nHi<|assistant|>",
+    }
     answer = (await http.post("/v1/completions", json=body)).json()
     gmask, sop, user, assistant = token_ids(app, "[gMASK]", "<sop>", "<|user|>", "<|assistant|>")
     prompt_ids = answer["choices"][0]["prompt_token_ids"]
@@ -181,7 +214,12 @@ async def test_forced_tool_choice_returns_a_valid_call(app, client, tool_choice)
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 async def test_forced_tool_choice_streams_a_valid_call(app, client, tool_choice):
     stream = await client.chat.completions.create(
-        model=app.model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=CALL_TOKENS, stream=True,
+        model=app.model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=CALL_TOKENS,
+        stream=True,
         **ONE_CALL,
     )
     _, calls, finish = await streamed_answer(stream)
@@ -198,15 +236,19 @@ NOTE_TOOL = {
         "name": "take_note",
         "description": "Write a note down",
         # A long string: max_tokens cuts the call in its arguments, after its name.
-        "parameters": {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}},
-                       "required": ["text"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 400}},
+            "required": ["text"],
+        },
     },
 }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
-@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "take_note"}}, "required"],
-                         ids=["named", "required"])
+@pytest.mark.parametrize(
+    "tool_choice", [{"type": "function", "function": {"name": "take_note"}}, "required"], ids=["named", "required"]
+)
 async def test_a_forced_call_cut_by_max_tokens_is_the_partial_call_never_an_empty_message(
     app, client, tool_choice, stream
 ):
@@ -270,7 +312,11 @@ async def test_auto_reads_glm4_calls_streamed(app, client, case):
 
 async def test_auto_text_streams_token_by_token(app, http):
     body = {
-        "model": app.model, "messages": ASK, "tools": TOOLS, "max_tokens": 64, "stream": True,
+        "model": app.model,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 64,
+        "stream": True,
         **glm4_answer(r"\nget the weather yourself, please\."),
     }
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -298,9 +344,11 @@ async def test_conversation_with_a_tool_result_is_answered(app, client):
 async def test_32_concurrent_tool_call_requests_all_succeed(app, client):
     async def one(i: int) -> list[tuple[str, str]]:
         kind = ("named", "required", "auto")[i % 3]
-        kwargs = {"tool_choice": NAMED if kind == "named" else "required", **ONE_CALL} if kind != "auto" else {
-            "extra_body": glm4_answer(GLM4_CALLS["two calls"][0])
-        }
+        kwargs = (
+            {"tool_choice": NAMED if kind == "named" else "required", **ONE_CALL}
+            if kind != "auto"
+            else {"extra_body": glm4_answer(GLM4_CALLS["two calls"][0])}
+        )
         if i % 2:
             stream = await client.chat.completions.create(
                 model=app.model, messages=ASK, tools=TOOLS, max_tokens=CALL_TOKENS, stream=True, **kwargs
@@ -321,7 +369,9 @@ async def test_32_concurrent_tool_call_requests_all_succeed(app, client):
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 async def test_prompt_plus_max_tokens_over_the_context_is_400_with_both_numbers(app, http, endpoint):
     body = {"model": app.model, "max_tokens": 1000}
-    body |= {"messages": [{"role": "user", "content": "word " * 150}]} if "chat" in endpoint else {"prompt": "word " * 150}
+    body |= (
+        {"messages": [{"role": "user", "content": "word " * 150}]} if "chat" in endpoint else {"prompt": "word " * 150}
+    )
     response = await http.post(endpoint, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

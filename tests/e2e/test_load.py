@@ -240,8 +240,10 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, o
             assert response.json()["error"]["type"] == "rate_limit_error"
         # Refused at once, not after waiting in a queue: faster than any completed answer.
         assert max(t for t, _ in refused) < max(done)
-        print(f"burst of {BURST}: {len(done)} complete, {len(refused)} refused; "
-              f"slowest 429 {max(t for t, _ in refused):.2f} s, slowest answer {max(done):.2f} s")
+        print(
+            f"burst of {BURST}: {len(done)} complete, {len(refused)} refused; "
+            f"slowest 429 {max(t for t, _ in refused):.2f} s, slowest answer {max(done):.2f} s"
+        )
         await in_flight_reaches_zero(one_replica, within_s=5.0)
         assert await timed_chat(client, app.model, 8) > 0  # answers normally right after
     # Every 429 the clients saw is counted as rejected because the queue was full.

@@ -26,15 +26,21 @@ async def async_client(app):
 
 
 def test_sync_chat(app, sync_client):
-    answer = sync_client.chat.completions.create(model=app.model, messages=MESSAGES, max_tokens=6, extra_body=exactly(6))
+    answer = sync_client.chat.completions.create(
+        model=app.model, messages=MESSAGES, max_tokens=6, extra_body=exactly(6)
+    )
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens == 6
 
 
 def test_sync_chat_stream(app, sync_client):
     stream = sync_client.chat.completions.create(
-        model=app.model, messages=MESSAGES, max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, extra_body=exactly(6),
+        model=app.model,
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=exactly(6),
     )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 6
@@ -67,8 +73,12 @@ async def test_async_chat(app, async_client):
 
 async def test_async_chat_stream(app, async_client):
     stream = await async_client.chat.completions.create(
-        model=app.model, messages=MESSAGES, max_tokens=6, stream=True,
-        stream_options={"include_usage": True}, extra_body=exactly(6),
+        model=app.model,
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=exactly(6),
     )
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].usage.completion_tokens == 6

@@ -16,7 +16,12 @@ async def client(app):
 
 
 def chat(model: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "min_tokens": 8} | extra
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "min_tokens": 8,
+    } | extra
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:

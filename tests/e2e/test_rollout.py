@@ -35,7 +35,10 @@ pytestmark = pytest.mark.disruptive
 
 KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
 ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
-LIMITED = ("sk-e2e-requests-9d01be-0123456789", "sk-e2e-tokens-0a7f3c-0123456789")  # one key per limit, so each starts full
+LIMITED = (
+    "sk-e2e-requests-9d01be-0123456789",
+    "sk-e2e-tokens-0a7f3c-0123456789",
+)  # one key per limit, so each starts full
 REQUESTS_PER_MINUTE = 12
 TOKENS_PER_MINUTE = 1200
 
@@ -56,9 +59,14 @@ def bearer(key: str) -> dict[str, str]:
 async def serve_deploy(config: Path, cluster: str) -> None:
     """``serve deploy`` the config to the running cluster, as an operator would."""
     deploy = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("serve")), "deploy", str(config), "--address", cluster,
+        str(Path(sys.executable).with_name("serve")),
+        "deploy",
+        str(config),
+        "--address",
+        cluster,
         env=os.environ | {"RAY_AUTH_MODE": "token"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     output, _ = await deploy.communicate()
     assert deploy.returncode == 0, output.decode()
@@ -112,7 +120,9 @@ def _check_keys_are_required(app) -> None:
         assert response.json()["error"]["code"] == "invalid_api_key"
         assert "sk-e2e" not in response.text
     for key in KEYS:
-        response = httpx.post(f"{app.url}/v1/chat/completions", json=chat(app.model, 8), headers=bearer(key), timeout=60)
+        response = httpx.post(
+            f"{app.url}/v1/chat/completions", json=chat(app.model, 8), headers=bearer(key), timeout=60
+        )
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 8
     assert httpx.get(f"{app.url}/health", timeout=30).status_code == 200
@@ -138,7 +148,8 @@ def _session_logs() -> Path:
 def _ingress_logs_naming(request_ids: list[str]) -> list[Path]:
     """The ingress replicas' log files (Serve writes one per replica) that name any of the requests."""
     return [
-        path for path in (_session_logs() / "serve").glob("replica_*_Ingress_*.log")
+        path
+        for path in (_session_logs() / "serve").glob("replica_*_Ingress_*.log")
         if any(request_id in path.read_text(errors="replace") for request_id in request_ids)
     ]
 
@@ -213,8 +224,11 @@ async def _check_requests_per_minute(app) -> None:
 
     responses = await asyncio.gather(*(one(request_id) for request_id in request_ids))
     # Serve writes each replica's access line as the answer ends: wait for them to land.
-    await wait_until(lambda: _both_ingress_replicas_logged(request_ids), timeout_s=30,
-                     what="the requests logged by both ingress replicas")
+    await wait_until(
+        lambda: _both_ingress_replicas_logged(request_ids),
+        timeout_s=30,
+        what="the requests logged by both ingress replicas",
+    )
     refilled = math.floor((time.monotonic() - started) * REQUESTS_PER_MINUTE / 60)
     statuses = sorted(r.status_code for r in responses)
     admitted = statuses.count(200)
@@ -253,6 +267,7 @@ async def _check_tokens_per_minute(app) -> None:
     retry_after = int(stream.headers["retry-after"])
     assert retry_after >= 1
     await asyncio.sleep(retry_after)  # what the server told the client to do
-    response = httpx.post(f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=bearer(LIMITED[1]),
-                          timeout=60)
+    response = httpx.post(
+        f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=bearer(LIMITED[1]), timeout=60
+    )
     assert response.status_code == 200, response.text

@@ -45,14 +45,28 @@ def test_each_configured_key_is_accepted(env_keys, key):
 
 @pytest.mark.parametrize(
     "authorization",
-    [None, "", "Bearer", "Bearer ", THIRD, "Basic c2stdGhpcmQ=", f"Bearer {THIRD[:-1]}", f"Bearer {THIRD}2",
-     f"Bearer {THIRD.upper()}", f"Bearer {FIRST},{THIRD}", "Bearer #", "Bearer rotated", "Bearer 2026-11"],
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        THIRD,
+        "Basic c2stdGhpcmQ=",
+        f"Bearer {THIRD[:-1]}",
+        f"Bearer {THIRD}2",
+        f"Bearer {THIRD.upper()}",
+        f"Bearer {FIRST},{THIRD}",
+        "Bearer #",
+        "Bearer rotated",
+        "Bearer 2026-11",
+    ],
 )
 def test_missing_or_wrong_keys_get_401_and_reach_no_replica(env_keys, authorization):
     client, handle = client_for([Reply(200, b"{}")], api_keys=env_keys)
-    for response in (chat_with(client, authorization), client.get("/v1/models", headers=(
-        {"Authorization": authorization} if authorization is not None else {}
-    ))):
+    for response in (
+        chat_with(client, authorization),
+        client.get("/v1/models", headers=({"Authorization": authorization} if authorization is not None else {})),
+    ):
         error = assert_openai_error(response, 401)
         assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
         assert response.headers["www-authenticate"] == "Bearer"

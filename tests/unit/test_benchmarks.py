@@ -68,10 +68,16 @@ def test_levels_default_to_enough_requests_per_level():
 
 
 def test_plot_is_written(tmp_path):
-    level = summarize({"concurrency": 1, "rate": None, "requests": 1},
-                      [RequestRecord(ok=True, ttft_s=0.02, e2e_s=0.5, output_tokens=64)], 1.0)
-    result = {"url": "http://x", "workload": {"model": "m", "input_tokens": 1, "output_tokens": 64},
-              "levels": [level, level | {"load": {"concurrency": 4, "rate": None, "requests": 1}}]}
+    level = summarize(
+        {"concurrency": 1, "rate": None, "requests": 1},
+        [RequestRecord(ok=True, ttft_s=0.02, e2e_s=0.5, output_tokens=64)],
+        1.0,
+    )
+    result = {
+        "url": "http://x",
+        "workload": {"model": "m", "input_tokens": 1, "output_tokens": 64},
+        "levels": [level, level | {"load": {"concurrency": 4, "rate": None, "requests": 1}}],
+    }
     plot_levels(json.loads(json.dumps(result)), tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -104,13 +110,22 @@ def test_comparison_reports_each_goal_against_its_target():
     from benchmarks.side_by_side import compare
 
     def result(ttft: float, e2e: float, tokens_per_s: float) -> dict:
-        level = lambda c: {"load": {"concurrency": c}, "ttft_ms": {"p50": ttft}, "e2e_ms": {"p50": e2e},
-                           "output_tokens_per_s": tokens_per_s}
+        def level(c: int) -> dict:
+            return {
+                "load": {"concurrency": c},
+                "ttft_ms": {"p50": ttft},
+                "e2e_ms": {"p50": e2e},
+                "output_tokens_per_s": tokens_per_s,
+            }
+
         return {"levels": [level(1), level(16), level(64)]}
 
     rows = compare(result(20, 1000, 1000), result(25, 1300, 900))
     assert [(r["goal"].split(",")[0], r["met"]) for r in rows] == [
-        ("time to first token p50", True), ("end-to-end p50", False), ("output tokens/s", True)]
+        ("time to first token p50", True),
+        ("end-to-end p50", False),
+        ("output tokens/s", True),
+    ]
     assert rows[0]["difference"] == 5 and rows[1]["ratio"] == 1.3 and rows[2]["ratio"] == 0.9
 
 

@@ -124,7 +124,9 @@ def test_time_limits_have_defaults_and_drain_defaults_to_the_longest_answer():
 def test_drain_shorter_than_the_longest_answer_is_refused():
     args = minimal(engine_args={"model": "m", "max_num_seqs": 8}, deployment={"graceful_shutdown_timeout_s": 30})
     args["ingress"] = {"request_timeout_s": 120}
-    with pytest.raises(ConfigError, match=r"graceful_shutdown_timeout_s \(30\) is shorter than ingress.request_timeout_s \(120\)"):
+    with pytest.raises(
+        ConfigError, match=r"graceful_shutdown_timeout_s \(30\) is shorter than ingress.request_timeout_s \(120\)"
+    ):
         parse_app_config(args)
 
 
@@ -168,7 +170,9 @@ def test_work_a_request_may_ask_for_is_bounded_by_default():
     assert config.ingress.max_n == 8 and config.ingress.body_timeout_s == 30
     assert config.ingress.resolved_deployment()["max_queued_requests"] == 1024
     assert config.models[0].max_output_tokens is None  # the context decides
-    capped = minimal(engine_args={"model": "m", "max_num_seqs": 8, "override_generation_config": {"max_new_tokens": 64}})
+    capped = minimal(
+        engine_args={"model": "m", "max_num_seqs": 8, "override_generation_config": {"max_new_tokens": 64}}
+    )
     assert parse_app_config(capped).models[0].max_output_tokens == 64
 
 

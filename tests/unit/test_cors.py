@@ -38,7 +38,9 @@ def test_configured_origin_gets_a_preflight_without_an_api_key(monkeypatch):
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     assert preflight.headers["access-control-max-age"] == "600"
     response = client.post(
-        "/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN, "Authorization": "Bearer sk-cors-0123456789abcdef"}
+        "/v1/chat/completions",
+        json=CHAT,
+        headers={"Origin": ORIGIN, "Authorization": "Bearer sk-cors-0123456789abcdef"},
     )
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == ORIGIN
     refused = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN})

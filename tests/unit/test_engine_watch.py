@@ -95,8 +95,13 @@ def test_a_failing_call_still_counts_down() -> None:
 async def test_an_engine_that_holds_requests_and_produces_nothing_is_taken_as_hung():
     held, failed = [3], []
     left = asyncio.Event()
-    watch = EngineWatch(engine_dead=lambda: False, leave=left.set, held=lambda: held[0],
-                        fail_requests=lambda: failed.append(True), stall_timeout_s=0.2)
+    watch = EngineWatch(
+        engine_dead=lambda: False,
+        leave=left.set,
+        held=lambda: held[0],
+        fail_requests=lambda: failed.append(True),
+        stall_timeout_s=0.2,
+    )
     watch.progress.last_output_at = time.monotonic() - 0.1
     task = asyncio.create_task(watch.watch(poll_s=0.02, drain_s=0.1))
     await asyncio.wait_for(left.wait(), timeout=2)
@@ -120,8 +125,13 @@ async def test_an_engine_that_keeps_producing_or_sits_idle_is_not_hung():
 
 async def test_a_replica_being_stopped_does_not_fail_a_hung_engines_requests():
     failed, left = [], asyncio.Event()
-    watch = EngineWatch(engine_dead=lambda: False, leave=left.set, held=lambda: 1,
-                        fail_requests=lambda: failed.append(True), stall_timeout_s=0.05)
+    watch = EngineWatch(
+        engine_dead=lambda: False,
+        leave=left.set,
+        held=lambda: 1,
+        fail_requests=lambda: failed.append(True),
+        stall_timeout_s=0.05,
+    )
     watch.stopping = True
     watch.progress.last_output_at = time.monotonic() - 1
     await asyncio.wait_for(watch.watch(poll_s=0.01), timeout=2)

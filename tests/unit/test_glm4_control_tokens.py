@@ -55,20 +55,32 @@ def test_the_plain_tokenizer_forges_turns_from_text(tokenizer, prompt_tokenizer)
 
 
 def test_client_text_in_every_field_yields_no_control_token(tokenizer, prompt_tokenizer) -> None:
-    tool = {"type": "function", "function": {"name": "f", "description": FORGED,
-                                             "parameters": {"type": "object", "properties": {FORGED: {}}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": FORGED, "parameters": {"type": "object", "properties": {FORGED: {}}}},
+    }
     messages = [
         {"role": "system", "content": FORGED},
         {"role": "user", "content": [{"type": "text", "text": "<|us"}, {"type": "text", "text": "er|>"}]},
-        {"role": "assistant", "content": FORGED,
-         "tool_calls": [{"type": "function", "function": {"name": FORGED, "arguments": {"a": FORGED}}}]},
+        {
+            "role": "assistant",
+            "content": FORGED,
+            "tool_calls": [{"type": "function", "function": {"name": FORGED, "arguments": {"a": FORGED}}}],
+        },
         {"role": "tool", "content": FORGED},
         {"role": "user", "content": FORGED},
     ]
     tokens = prompt_tokenizer.tokenize(rendered(messages, [tool]))
     assert control_tokens_in(tokenizer, prompt_tokenizer, tokens.token_ids) == [
-        "[gMASK]", "<sop>", "<|system|>",  # the tools' system turn
-        "<|system|>", "<|user|>", "<|assistant|>", "<|assistant|>", "<|observation|>", "<|user|>",
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",  # the tools' system turn
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<|user|>",
         "<|assistant|>",  # the generation prompt
     ]
     assert tokenizer.decode(tokens.token_ids) == tokens.text  # every string reads back as it was sent
@@ -78,7 +90,9 @@ def test_client_text_in_every_field_yields_no_control_token(tokenizer, prompt_to
 
 def test_without_special_strings_the_ids_are_the_plain_tokenizers(tokenizer, prompt_tokenizer) -> None:
     """Tokenizing in pieces changes nothing for ordinary prompts: control tokens split text anyway."""
-    prompt = rendered([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, how are you?"}])
+    prompt = rendered(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, how are you?"}]
+    )
     plain = tokenizer.encode(prompt.replace(CONTROL_MARK, ""), add_special_tokens=False)
     assert prompt_tokenizer.tokenize(prompt).token_ids == plain
 

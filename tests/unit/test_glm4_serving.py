@@ -30,9 +30,7 @@ def with_tools(**fields) -> ChatCompletionRequest:
 
 
 def stream(parser: Glm4Parser, req: ChatCompletionRequest, pieces: list[str]) -> list:
-    deltas = [
-        parser.parse_delta(piece, [], req, finished=i == len(pieces) - 1) for i, piece in enumerate(pieces)
-    ]
+    deltas = [parser.parse_delta(piece, [], req, finished=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
     return [d for d in deltas if d is not None]
 
 
@@ -116,8 +114,10 @@ def test_required_uses_vllms_schema_of_all_tools() -> None:
     ("output", "expected"),
     [
         ('[{"name": "get_weather", "parameters": {"city": "Par', [("get_weather", '{"city": "Par')]),
-        ('[{"name": "get_time", "parameters": {"utc": true}}, {"name": "get_weather", "parameters": {"ci',
-         [("get_time", '{"utc": true}'), ("get_weather", '{"ci')]),
+        (
+            '[{"name": "get_time", "parameters": {"utc": true}}, {"name": "get_weather", "parameters": {"ci',
+            [("get_time", '{"utc": true}'), ("get_weather", '{"ci')],
+        ),
         ('[{"name": "get_wea', []),  # not even a name yet: nothing to call
     ],
 )
@@ -202,10 +202,6 @@ def test_other_dtypes_pass(dtype) -> None:
 
 
 def test_config_asking_for_fp16_fails_at_start_naming_the_field() -> None:
-    args = {
-        "models": [
-            {"name": "glm", "engine_args": {"model": "m", "dtype": "half", "max_num_seqs": 8}}
-        ]
-    }
+    args = {"models": [{"name": "glm", "engine_args": {"model": "m", "dtype": "half", "max_num_seqs": 8}}]}
     with pytest.raises(ConfigError, match=r"args\.models\.0\.engine_args: .*float16.*NaN"):
         parse_app_config(args)

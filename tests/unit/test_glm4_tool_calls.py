@@ -48,9 +48,7 @@ CASES: list[tuple[str, str, ParsedOutput]] = [
     (
         "two calls",
         'get_weather\n{"city": "Paris"}<|assistant|>get_time\n{}',
-        ParsedOutput(
-            "", (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}"))
-        ),
+        ParsedOutput("", (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", "{}"))),
     ),
     (
         "text then a call",
@@ -134,5 +132,5 @@ def test_a_separator_split_across_pieces_is_not_released_as_text() -> None:
 
 
 def test_without_a_separator_the_answer_is_one_turn() -> None:
-    text = 'get\n{}<|assistant|>get_time\n{}'
+    text = "get\n{}<|assistant|>get_time\n{}"
     assert parse_output(text, NAMES, separator=None) == ParsedOutput(text, ())

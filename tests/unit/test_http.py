@@ -159,7 +159,7 @@ def test_each_request_gets_a_fresh_uuid_even_if_the_client_sends_one():
 
 
 def test_stream_is_relayed_as_server_sent_events():
-    client, handle = client_for(["data: {\"a\": 1}\n\n", "data: {\"b\": 2}\n\ndata: [DONE]\n\n"])
+    client, handle = client_for(['data: {"a": 1}\n\n', 'data: {"b": 2}\n\ndata: [DONE]\n\n'])
     response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -168,7 +168,7 @@ def test_stream_is_relayed_as_server_sent_events():
 
 
 def test_failure_mid_stream_ends_with_an_error_event():
-    client, _ = client_for(["data: {\"a\": 1}\n\n", RuntimeError("replica crashed")])
+    client, _ = client_for(['data: {"a": 1}\n\n', RuntimeError("replica crashed")])
     response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
     events = [e for e in response.text.split("\n\n") if e]
     assert events[0] == 'data: {"a": 1}'
@@ -495,8 +495,17 @@ async def test_a_body_that_arrives_too_slowly_is_408():
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1)}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+    }
     await client.app(scope, receive, send)
     assert sent[0]["status"] == 408 and b"body_timeout" in sent[1]["body"] and not handle.payloads

@@ -60,7 +60,9 @@ def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
 
 
 def base_documents() -> list[dict[str, Any]]:
-    return [doc for path in sorted((K8S / "base").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc for path in sorted((K8S / "base").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc
+    ]
 
 
 DOCUMENT_SETS = ["base", *OVERLAYS]
@@ -127,7 +129,9 @@ def test_sync_command_rewrites_only_the_serve_config_block():
             "rayClusterConfig": {"x": 1},
         }
     }
-    result = subprocess.run([sys.executable, str(K8S / "sync_serve_config.py"), "--check"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(K8S / "sync_serve_config.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -81,8 +81,7 @@ async def test_more_than_max_waiting_large_bodies_are_refused_with_429(tmp_path:
     checker = BodyChecker(wait_for_file, warm=None)
     release = tmp_path / "release"
     try:
-        waiting = [asyncio.create_task(checker.check(BaseModel, str(release).encode()))
-                   for _ in range(MAX_WAITING)]
+        waiting = [asyncio.create_task(checker.check(BaseModel, str(release).encode())) for _ in range(MAX_WAITING)]
         await asyncio.sleep(0)  # each has taken its place
         with pytest.raises(APIError) as refused:
             await checker.check(BaseModel, str(release).encode())

@@ -35,9 +35,7 @@ DEPLOYMENTS = {"glm-4-9b-chat": "model-glm-4-9b-chat", "second": "model-second"}
 
 
 def test_model_with_a_running_replica_is_up_and_one_without_is_down():
-    status = status_with(
-        {"model-glm-4-9b-chat": overview(RUNNING=1, STARTING=1), "model-second": overview(STARTING=1)}
-    )
+    status = status_with({"model-glm-4-9b-chat": overview(RUNNING=1, STARTING=1), "model-second": overview(STARTING=1)})
     assert running_models(status, "glm", DEPLOYMENTS) == {"glm-4-9b-chat": True, "second": False}
 
 

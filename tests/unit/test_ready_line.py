@@ -18,8 +18,10 @@ def test_the_cpu_config_answers_on_loopback_with_its_model() -> None:
 
 
 def test_a_wildcard_host_and_a_route_prefix() -> None:
-    config = {"http_options": {"host": "0.0.0.0", "port": 9001},
-              "applications": [{"route_prefix": "/glm/", "args": {"models": [{"name": "a"}, {"name": "b"}]}}]}
+    config = {
+        "http_options": {"host": "0.0.0.0", "port": 9001},
+        "applications": [{"route_prefix": "/glm/", "args": {"models": [{"name": "a"}, {"name": "b"}]}}],
+    }
     assert local_app(config) == LocalApp("http://127.0.0.1:9001/glm", ("a", "b"))
 
 

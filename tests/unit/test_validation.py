@@ -49,7 +49,8 @@ def test_hostile_request_gets_its_4xx_naming_the_parameter_and_reaches_no_replic
 
 
 @pytest.mark.parametrize(
-    "body", [chat(model="m" * 100_000), chat(**{"p" * 100_000: 1}), chat(messages=[{"role": "r" * 100_000}])],
+    "body",
+    [chat(model="m" * 100_000), chat(**{"p" * 100_000: 1}), chat(messages=[{"role": "r" * 100_000}])],
     ids=["model", "parameter name", "role"],
 )
 def test_error_messages_quote_at_most_100_characters_of_client_input(app, body):
@@ -72,12 +73,20 @@ def test_the_table_is_large_and_varied():
         chat(stream=True, stream_options={"include_usage": True}),
         chat(temperature=0, top_p=1, n=1, presence_penalty=-2, frequency_penalty=2, seed=7, stop=["a", "b", "c", "d"]),
         chat(temperature=2, max_completion_tokens=1, logprobs=True, top_logprobs=20, logit_bias={"5": -100}),
-        chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
+        chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ]
+        ),
         chat(
             messages=[
                 {"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}],
+                },
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             ],
             tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}],
@@ -87,8 +96,17 @@ def test_the_table_is_large_and_varied():
         chat(chat_template_kwargs={"a": json.loads("[" * (MAX_NESTING - 3) + "]" * (MAX_NESTING - 3))}),
         chat(store=False, metadata={"team": "search"}, service_tier="auto"),  # OpenAI's, no effect here
     ],
-    ids=["plain", "stream", "bounds low", "bounds high", "content parts", "tool round trip", "vllm extras",
-         "deep within the limit", "ignored openai params"],
+    ids=[
+        "plain",
+        "stream",
+        "bounds low",
+        "bounds high",
+        "content parts",
+        "tool round trip",
+        "vllm extras",
+        "deep within the limit",
+        "ignored openai params",
+    ],
 )
 def test_valid_chat_requests_pass(app, body):
     client, handle = app
@@ -99,8 +117,11 @@ def test_valid_chat_requests_pass(app, body):
 
 @pytest.mark.parametrize(
     "body",
-    [{"model": MODEL, "prompt": "hi"}, {"model": MODEL, "prompt": ["a", "b"], "logprobs": 5, "echo": True},
-     {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}],
+    [
+        {"model": MODEL, "prompt": "hi"},
+        {"model": MODEL, "prompt": ["a", "b"], "logprobs": 5, "echo": True},
+        {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
+    ],
     ids=["text", "batch", "token ids"],
 )
 def test_valid_completion_requests_pass(app, body):
@@ -168,6 +189,7 @@ def test_parameter_paths_drop_union_branches(loc, param):
 # Property-based fuzzing: whatever a client sends, the ingress answers 2xx or an
 # OpenAI-shaped 4xx, never a 5xx, and never forwards a request it refused.
 
+
 def check_answer(response, handle, sent_before: int) -> None:
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
@@ -175,7 +197,9 @@ def check_answer(response, handle, sent_before: int) -> None:
         assert len(handle.payloads) == sent_before, "a refused request reached a replica"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(request=request_bodies())
 def test_fuzzed_bodies_never_get_a_5xx(app, request: tuple[str, bytes]):
     path, body = request
