@@ -18,6 +18,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -87,26 +88,50 @@ def test_promtool_accepts_the_rules(tmp_path: Path):
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in check.stdout
 
 
-MAX_BURSTS = 3  # a burst the queue drains while it arrives (a busy box, a second replica) is sent again
+MAX_BURSTS = 3  # a burst the queue drains while it arrives (a busy box) is sent again
+# Shorter answers than test_load's burst: here the deployment may admit twice as many (two ingress routers).
+
+
+async def admitted_at_most(app, deployment) -> int:
+    """How many requests the model deployment takes in before it answers 429.
+
+    Each model replica runs ``max_ongoing_requests``; each ingress replica's router
+    queues ``max_queued_requests`` more (Serve's limit is per caller), and earlier
+    tests may have scaled either deployment out.
+    """
+    options = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]["deployment"]
+    running = {
+        name: max(
+            1,
+            (await replica_states(SimpleNamespace(app_name=deployment.app_name, deployment_name=name))).get(
+                "RUNNING", 1
+            ),
+        )
+        for name in (deployment.deployment_name, "Ingress")
+    }
+    return (
+        running[deployment.deployment_name] * options["max_ongoing_requests"]
+        + running["Ingress"] * options["max_queued_requests"]
+    )
 
 
 async def drive_traffic(app, deployment) -> dict[int, int]:
     """Complete streams, bursts past the queue until one gets 429s, abandoned streams; the bursts' statuses."""
-    limits = httpx.Limits(max_connections=2 * BURST, max_keepalive_connections=2 * BURST)
     statuses: dict[int, int] = {}
-    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=httpx.Limits(max_connections=None)) as client:
         await in_flight_reaches_zero(deployment, within_s=30.0)
         for _ in range(3):
             response = await client.post("/v1/chat/completions", json=chat(app.model, stream=True, max_tokens=16))
             assert response.status_code == 200
         for _ in range(MAX_BURSTS):
-            replicas = max(1, (await replica_states(deployment)).get("RUNNING", 1))  # each admits 320
+            size = max(BURST, 3 * await admitted_at_most(app, deployment) // 2)
             burst = await asyncio.gather(
                 *(
                     client.post(
-                        "/v1/chat/completions", json=chat(app.model, max_tokens=BURST_TOKENS, min_tokens=BURST_TOKENS)
+                        "/v1/chat/completions",
+                        json=chat(app.model, max_tokens=BURST_TOKENS // 2, min_tokens=BURST_TOKENS // 2),
                     )
-                    for _ in range(BURST * replicas)
+                    for _ in range(size)
                 )
             )
             for response in burst:
@@ -122,7 +147,8 @@ async def drive_traffic(app, deployment) -> dict[int, int]:
 @pytest.mark.disruptive  # the burst may scale the model deployment out
 async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(app, one_replica, prometheus):
     statuses = await drive_traffic(app, one_replica)
-    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}, statuses
+    # 429 past the queue; an admitted answer may still pass the CPU config's 60 s limit (504).
+    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429, 504}, statuses
     idle_since = time.time()
     # Idle longer than Ray keeps a gauge nobody sets again, as Prometheus saw it.
     wait_until(
