@@ -156,9 +156,6 @@ class APIKeys:
             match |= hmac.compare_digest(presented, digest)
         return presented.hex()[:KEY_ID_HEX_CHARS] if match else None
 
-    def accepts(self, key: str) -> bool:
-        return self.identify(key) is not None
-
 
 def load_api_keys(config: APIKeysConfig | None) -> APIKeys | None:
     """The keys the config names, read now; None when the config sets none."""

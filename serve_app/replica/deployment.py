@@ -198,7 +198,8 @@ class ModelServer:
         return normalize_error_event(chunk)
 
     async def ping(self) -> str:
-        """Answer the ingress's readiness probe once the engine is healthy."""
+        """The model's name, once the engine is healthy: for operators and tests with a handle
+        (``/health`` reads Serve's status instead, never a replica)."""
         await self.check_health()
         return self.model_name
 

@@ -144,7 +144,10 @@ async def drive_traffic(app, deployment) -> dict[int, int]:
     return statuses
 
 
-@pytest.mark.disruptive  # the burst may scale the model deployment out
+# The burst may scale the model deployment out. First among the disruptive tests: right after
+# the scale-out test, three bursts of 480 (1.5x what one replica and one ingress router admit)
+# got no 429 in CI, where the same burst after the fault tests does; not understood yet.
+@pytest.mark.disruptive(first=True)
 async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(app, one_replica, prometheus):
     statuses = await drive_traffic(app, one_replica)
     # 429 past the queue; an admitted answer may still pass the CPU config's 60 s limit (504).

@@ -126,7 +126,7 @@ def test_a_malformed_key_source_refuses_to_start_and_names_the_line_not_the_key(
 def test_comments_and_blank_lines_are_not_keys(env_keys):
     assert len(parse_keys(KEYS)) == 3
     for word in ("#", "rotated", "2026-11", "# rotated 2026-11", ""):
-        assert not env_keys.accepts(word)
+        assert env_keys.identify(word) is None
 
 
 def write_keys(path: Path, text: str, mtime: float) -> None:
@@ -148,9 +148,9 @@ def key_file(tmp_path) -> tuple[Path, APIKeys]:
 
 def test_a_rotated_key_file_takes_effect_without_a_restart(key_file):
     path, keys = key_file
-    assert keys.accepts(OLD) and not keys.accepts(NEW)
+    assert keys.identify(OLD) is not None and keys.identify(NEW) is None
     write_keys(path, f"# rotated\n{NEW}\n", 2_000)
-    assert keys.accepts(NEW) and not keys.accepts(OLD)
+    assert keys.identify(NEW) is not None and keys.identify(OLD) is None
 
 
 @pytest.mark.parametrize("text", [f"{NEW}\nshort-key\n", f"{NEW} {OLD}\n"])
@@ -158,7 +158,7 @@ def test_a_malformed_reload_keeps_the_previous_keys_and_logs_an_error(key_file, 
     path, keys = key_file
     write_keys(path, text, 2_000)
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
-        assert keys.accepts(OLD) and not keys.accepts(NEW)
+        assert keys.identify(OLD) is not None and keys.identify(NEW) is None
     [record] = caplog.records
     assert record.levelno == logging.ERROR and "keeping the previous 1" in record.getMessage()
     assert "sk-" not in record.getMessage()
@@ -169,7 +169,7 @@ def test_an_unreadable_file_keeps_the_previous_keys(key_file, caplog):
     path.unlink()
     os.mkdir(path)  # a new mtime, and read_text fails
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
-        assert keys.accepts(OLD)
+        assert keys.identify(OLD) is not None
     assert "not reloaded" in caplog.text
 
 
@@ -191,7 +191,7 @@ def test_the_file_is_rechecked_at_most_once_per_interval(tmp_path):
     write_keys(path, OLD, 1_000)
     keys = APIKeys.from_file(str(path), recheck_s=3600)
     write_keys(path, NEW, 2_000)
-    assert keys.accepts(OLD) and not keys.accepts(NEW)  # no stat per request
+    assert keys.identify(OLD) is not None and keys.identify(NEW) is None  # no stat per request
 
 
 def test_keys_are_kept_only_as_digests(env_keys):
@@ -218,5 +218,5 @@ def test_check_does_not_stop_at_the_first_matching_key(env_keys, monkeypatch):
     compared = []
     real = auth.hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(b) or real(a, b))
-    assert env_keys.accepts(FIRST)
+    assert env_keys.identify(FIRST) is not None
     assert len(compared) == 3, "every key is compared, whichever matches"
