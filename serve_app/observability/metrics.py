@@ -33,6 +33,8 @@ ENGINE_FAILURES = "glm4_serve_engine_failures"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
+UNKNOWN_MODEL = "unknown"  # the model label of a request refused before its model was known
+
 # Error statuses whose share k8s/monitoring/prometheus-rules.yaml alerts on: exported at 0 from
 # the start, so the first burst of them is seen by rate() (a series that appears at 150 is not).
 ALERTED_STATUSES = ("429", "500", "503", "504")
@@ -106,6 +108,7 @@ class ServingMetrics:
         for name in models:
             for gauge in (self.queued, self.running):
                 self._gauges.set(gauge, 0, {"model": name})
+        for name in [*models, UNKNOWN_MODEL]:  # refused before routing (404, a 429 for a large body)
             model = {"model": name}
             for counter, tags in [
                 (self.prompt_tokens, model),
@@ -135,7 +138,7 @@ class ServingMetrics:
 
     def ended(self, record: RequestRecord) -> None:
         """Count a request that has ended, whatever its end."""
-        model = {"model": record.model or "unknown"}
+        model = {"model": record.model or UNKNOWN_MODEL}
         self.requests.inc(
             tags=model
             | {"endpoint": record.endpoint, "status": str(record.status), "finish_reason": record.finish_reason or ""}

@@ -47,14 +47,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
-
-    # Tests that change the shared app (replica counts, its config) run last; among them,
-    # those marked disruptive(first=True) run before the rest.
-    def order(item) -> tuple[bool, bool]:
-        marker = item.get_closest_marker("disruptive")
-        return marker is not None, marker is not None and not marker.kwargs.get("first", False)
-
-    items.sort(key=order)
+    # Tests that change the shared app (replica counts, its config) run last.
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, app: RunningApp) -> None:

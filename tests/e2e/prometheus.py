@@ -96,8 +96,8 @@ class Prometheus:
 
     def last_scrape_at(self) -> float:
         """When Prometheus last scraped the cluster (Unix seconds), from its ``up`` series."""
-        [up] = self.query('timestamp(up{job="ray"})')
-        return float(up["value"][1])
+        scraped = self.query('timestamp(up{job="ray"})')
+        return float(scraped[0]["value"][1]) if scraped else 0.0  # not scraped yet
 
     def stop(self) -> None:
         self.process.terminate()

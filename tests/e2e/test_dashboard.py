@@ -1,10 +1,9 @@
 """The Grafana dashboard and the alerting rules on a real Prometheus scraping the real app.
 
 Prometheus (Debian's package) scrapes Ray's metrics endpoint every second while
-traffic runs: complete streams, a burst past the queue (429s) and abandoned
-streams (aborts). Then the app idles for longer than Ray keeps a gauge that is
-not set again (20 s), and every panel query of k8s/monitoring/grafana-dashboard.json
-is evaluated as Grafana would (``$model`` and ``$application`` as "All",
+traffic runs: complete streams and abandoned streams (aborts). Then the app idles
+for longer than Ray keeps a gauge that is not set again (20 s), and every panel
+query of k8s/monitoring/grafana-dashboard.json is evaluated as Grafana would (``$model`` and ``$application`` as "All",
 ``$__rate_interval`` as 1m): each must return a series, and the gauges must read 0.
 The rules of k8s/monitoring/prometheus-rules.yaml are loaded into the same
 Prometheus; each expression is evaluated, each rule must evaluate without error,
@@ -13,12 +12,10 @@ and promtool must accept the file.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -26,11 +23,8 @@ import pytest
 import yaml
 
 from tests.e2e.prometheus import Prometheus, prometheus_binary
-from tests.e2e.serve_state import replica_states
 from tests.e2e.telemetry import wait_until
 from tests.e2e.test_load import (
-    BURST,
-    BURST_TOKENS,
     LONG,
     chat,
     in_flight_reaches_zero,
@@ -88,70 +82,45 @@ def test_promtool_accepts_the_rules(tmp_path: Path):
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in check.stdout
 
 
-MAX_BURSTS = 3  # a burst the queue drains while it arrives (a busy box) is sent again
-# Shorter answers than test_load's burst: here the deployment may admit twice as many (two ingress routers).
+async def drive_traffic(app, deployment) -> None:
+    """Complete streams, then abandoned streams (aborts).
 
-
-async def admitted_at_most(app, deployment) -> int:
-    """How many requests the model deployment takes in before it answers 429.
-
-    Each model replica runs ``max_ongoing_requests``; each ingress replica's router
-    queues ``max_queued_requests`` more (Serve's limit is per caller), and earlier
-    tests may have scaled either deployment out.
+    The 429 counters are exported at 0 from the start, so their panels and the
+    429-ratio rule answer without a burst here; test_load's burst test checks that
+    every 429 is counted. (A burst here made later disruptive tests fail in CI:
+    see the closing note of 2026-11-23.)
     """
-    options = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]["deployment"]
-    running = {
-        name: max(
-            1,
-            (await replica_states(SimpleNamespace(app_name=deployment.app_name, deployment_name=name))).get(
-                "RUNNING", 1
-            ),
-        )
-        for name in (deployment.deployment_name, "Ingress")
-    }
-    return (
-        running[deployment.deployment_name] * options["max_ongoing_requests"]
-        + running["Ingress"] * options["max_queued_requests"]
-    )
-
-
-async def drive_traffic(app, deployment) -> dict[int, int]:
-    """Complete streams, bursts past the queue until one gets 429s, abandoned streams; the bursts' statuses."""
-    statuses: dict[int, int] = {}
-    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(base_url=app.url, timeout=300) as client:
         await in_flight_reaches_zero(deployment, within_s=30.0)
         for _ in range(3):
             response = await client.post("/v1/chat/completions", json=chat(app.model, stream=True, max_tokens=16))
             assert response.status_code == 200
-        for _ in range(MAX_BURSTS):
-            size = max(BURST, 3 * await admitted_at_most(app, deployment) // 2)
-            burst = await asyncio.gather(
-                *(
-                    client.post(
-                        "/v1/chat/completions",
-                        json=chat(app.model, max_tokens=BURST_TOKENS // 2, min_tokens=BURST_TOKENS // 2),
-                    )
-                    for _ in range(size)
-                )
-            )
-            for response in burst:
-                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            if 429 in statuses:
-                break
         async with open_streams(client, chat(app.model, stream=True, **LONG), 4):
             pass  # each stream has its first chunk; leaving aborts them
         await in_flight_reaches_zero(deployment, within_s=30.0)
-    return statuses
 
 
-# The burst may scale the model deployment out. First among the disruptive tests: right after
-# the scale-out test, three bursts of 480 (1.5x what one replica and one ingress router admit)
-# got no 429 in CI, where the same burst after the fault tests does; not understood yet.
-@pytest.mark.disruptive(first=True)
+def scraped(prometheus: Prometheus, expr: str) -> bool:
+    return bool(prometheus.query(expr))
+
+
 async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(app, one_replica, prometheus):
-    statuses = await drive_traffic(app, one_replica)
-    # 429 past the queue; an admitted answer may still pass the CPU config's 60 s limit (504).
-    assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429, 504}, statuses
+    # A baseline first: rate() and increase() need a sample from before the traffic.
+    wait_until(
+        lambda: prometheus.query("ray_glm4_serve_requests_total"),
+        within_s=60,
+        what="Prometheus holds the app's (zeroed) counters before the traffic",
+    )
+    await drive_traffic(app, one_replica)
+    # Twice: a series appears at its first event, which rate() cannot see; the second
+    # round's events land on series Prometheus already holds.
+    wait_until(
+        lambda: scraped(prometheus, 'ray_glm4_serve_requests_total{status="200"}')
+        and scraped(prometheus, 'ray_glm4_serve_requests_total{status="499"}'),
+        within_s=60,
+        what="Prometheus holds the first round's series",
+    )
+    await drive_traffic(app, one_replica)
     idle_since = time.time()
     # Idle longer than Ray keeps a gauge nobody sets again, as Prometheus saw it.
     wait_until(
@@ -180,9 +149,7 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
     [replicas] = prometheus.query('sum(ray_serve_deployment_replica_healthy{deployment=~"model-.*"})')
     [engines] = prometheus.query("count(ray_vllm_num_requests_running)")
     assert engines["value"][1] == replicas["value"][1], (engines, replicas)
-    # Events that did happen are there to see: 429s and aborts within the last minutes.
-    [rejected] = prometheus.query('sum(increase(ray_glm4_serve_rejected_requests_total{reason="overloaded"}[2m]))')
-    assert float(rejected["value"][1]) > 0
+    # Events that did happen are there to see: aborts within the last minutes.
     [aborted] = prometheus.query("sum(increase(ray_glm4_serve_aborted_requests_total[2m]))")
     assert float(aborted["value"][1]) > 0
 
@@ -194,8 +161,8 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
             if "record" in rule:
                 assert values[name], f"recording rule {name} has no series"
     print("rule expressions after idle:\n" + "\n".join(f"  {k}: {v}" for k, v in values.items()))
-    [(_, rejected_ratio)] = values["glm4_serve:rejected_ratio:rate5m"]
-    assert float(rejected_ratio) > 0  # the burst's 429s, though they came all at once
+    # No 429 here: the served model's ratio is 0, not missing.
+    assert [r for m, r in values["glm4_serve:rejected_ratio:rate5m"] if m["model"] == app.model] == ["0"]
     loaded = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert len(loaded) == sum(len(g["rules"]) for g in rule_groups())
     assert [(r["name"], r.get("lastError")) for r in loaded if r["health"] != "ok"] == []
