@@ -212,8 +212,9 @@ BURST = 480  # far above one replica's 64 running + 256 queued
 # Long enough that the queue cannot drain while the burst is still arriving (its 480
 # requests reach the replica over a second or two; 8-token answers once let every one
 # in), short enough that the last of the 320 admitted finishes within the CPU config's
-# 60 s request limit even while the burst's own scale-out loads a second engine.
-BURST_TOKENS = 32
+# 60 s request limit even while the burst's own scale-out loads a second engine (at 32
+# tokens a CI rehearsal saw some of them pass it: 504).
+BURST_TOKENS = 24
 
 
 @pytest.mark.disruptive  # it scales the deployment out
