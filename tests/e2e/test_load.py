@@ -71,29 +71,31 @@ async def open_streams(client: httpx.AsyncClient, body: dict, count: int) -> Asy
 
 
 STREAMS = 16
-STREAM_TOKENS = 400  # a second or more of generation for 16 streams of the tiny model
 
 
 async def test_each_streams_first_token_arrives_while_generation_still_runs(app, one_replica):
     """Streams are streamed, not delivered whole: no layer between engine and socket buffers them.
 
-    Sixteen equal streams start together and end together; each client, as soon as its
-    first token arrives, asks the engine how many requests it still holds. A layer that
-    held chunks back until an answer ended would make that count zero.
+    Sixteen equal long streams start together and end together; each client, as soon as
+    its first token arrives, asks the engine how many requests it holds, then reads its
+    answer to the end. Its own request is one of them while it is streamed; a layer that
+    held chunks back until an answer ended would deliver the first token only after the
+    engine had finished all these equal requests, and the count would be zero. The answers
+    take seconds to generate, so a slow call to the replica on a busy machine still lands
+    while they run.
     """
     limits = httpx.Limits(max_connections=STREAMS)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
         await in_flight_reaches_zero(one_replica, within_s=30.0)
 
         async def one() -> int:
-            body = chat(app.model, max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS, stream=True)
+            body = chat(app.model, stream=True, **LONG)
             in_flight_at_first_token = -1
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    if in_flight_at_first_token < 0 and carries_tokens(json.loads(line[6:])):
+                    first = in_flight_at_first_token < 0 and line.startswith("data: {")
+                    if first and carries_tokens(json.loads(line[6:])):
                         in_flight_at_first_token = await one_replica.in_flight.remote()
             return in_flight_at_first_token
 
