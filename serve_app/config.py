@@ -106,7 +106,9 @@ class ModelConfig(_Strict):
     )
     deployment: dict[str, Any] = Field(
         default_factory=dict,
-        description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...).",
+        description="Ray Serve deployment options (autoscaling_config, max_ongoing_requests, ...); "
+        "max_ongoing_requests defaults to engine_args.max_num_seqs, graceful_shutdown_timeout_s to "
+        "ingress.request_timeout_s.",
     )
     stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
     engine_stall_timeout_s: float = Field(
@@ -220,7 +222,10 @@ class CORSConfig(_Strict):
     allow_origins: list[str] = Field(
         min_length=1, description="Origins allowed to call the API from a browser, e.g. https://chat.example.com."
     )
-    allow_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Timeout"])
+    allow_headers: list[str] = Field(
+        default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Timeout"],
+        description="Request headers a browser may send cross-origin.",
+    )
     max_age_s: int = Field(default=600, ge=0, description="How long a browser may cache a preflight answer.")
 
 
@@ -320,7 +325,11 @@ class IngressConfig(_Strict):
         description="Also put each request's messages or prompt, and its completion, in that line. "
         "They are users' data: off unless you need them.",
     )
-    deployment: dict[str, Any] = Field(default_factory=dict)
+    deployment: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray Serve options of the ingress deployment (autoscaling_config, ...); "
+        "graceful_shutdown_timeout_s defaults to request_timeout_s, max_queued_requests to 1024.",
+    )
 
     @field_validator("deployment")
     @classmethod
@@ -339,7 +348,9 @@ class IngressConfig(_Strict):
 class AppConfig(_Strict):
     """The whole application: the models it serves and its ingress."""
 
-    models: list[ModelConfig] = Field(min_length=1)
+    models: list[ModelConfig] = Field(
+        min_length=1, description="The models served, at least one; each is its own deployment, model-<name>."
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @field_validator("models")

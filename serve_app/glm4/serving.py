@@ -11,7 +11,7 @@ the checkpoint's own configs say:
   ``generation_config.json`` lists them;
 * has its tool calls read in GLM-4's format.
 
-Every vLLM internal this app touches for GLM-4 is named here.
+The vLLM internals this needs are reached through :mod:`serve_app.vllm_internals`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import re
 from typing import Any
 
+from serve_app import vllm_internals
 from serve_app.errors import quoted
 from serve_app.glm4.control_tokens import (
     MARK_REFUSED,
@@ -57,8 +58,7 @@ def configure(state: Any, engine: Any) -> list[int]:
     else:  # a serve config chose its own template, which does not mark its control tokens
         logger.warning("a chat template other than GLM-4's own is configured: client text can forge turns")
     # vLLM composed its generic parser around Glm4ToolParser; GLM-4 streams need Glm4Parser.
-    chat.parser_cls = Glm4Parser
-    state.online_renderer.parser = Glm4Parser
+    vllm_internals.use_chat_parser(state, Glm4Parser)
     return stop_ids
 
 
@@ -70,7 +70,7 @@ def make_eos_tokens(engine: Any, stop_ids: list[int]) -> None:
     ``override_generation_config`` cannot do this: vLLM reads it for sampling
     defaults only, not for EOS tokens.
     """
-    fields = engine.input_processor.generation_config_fields
+    fields = vllm_internals.generation_config_fields(engine)
     listed = fields.get("eos_token_id")
     listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
     fields["eos_token_id"] = list(dict.fromkeys([*listed, *stop_ids]))
@@ -102,7 +102,8 @@ def tokenize_control_tokens_from_template_only(renderer: Any) -> None:
         tokens = prompt_tokenizer.tokenize(text)
         return {**prompt, "prompt": tokens.text, "prompt_token_ids": tokens.token_ids}
 
-    render, render_async = renderer.render_messages, renderer.render_messages_async
+    sync_name, async_name = vllm_internals.CHAT_RENDER_METHODS
+    render, render_async = getattr(renderer, sync_name), getattr(renderer, async_name)
 
     @functools.wraps(render)
     def render_messages(messages: Any, params: Any) -> tuple[Any, dict[str, Any]]:
@@ -116,5 +117,5 @@ def tokenize_control_tokens_from_template_only(renderer: Any) -> None:
         conversation, prompt = await render_async(messages, params)
         return conversation, as_tokens(prompt)
 
-    renderer.render_messages = render_messages
-    renderer.render_messages_async = render_messages_async
+    setattr(renderer, sync_name, render_messages)
+    setattr(renderer, async_name, render_messages_async)

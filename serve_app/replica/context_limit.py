@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from serve_app import vllm_internals
+
 
 def requested_output(request: Any) -> tuple[str, int | None]:
     """The output-length parameter a request set, and its value (None if unset)."""
@@ -43,7 +45,7 @@ def over_context_message(prompt_tokens: int, param: str, requested: int, max_mod
 
 
 def enforce_context_limit(serving: Any, render_method: str) -> None:
-    """Wrap ``serving.<render_method>`` (vLLM's render step) with the check above."""
+    """Wrap ``serving.<render_method>`` (vLLM's render step, named in :mod:`serve_app.vllm_internals`)."""
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     render = getattr(serving, render_method)
@@ -57,7 +59,8 @@ def enforce_context_limit(serving: Any, render_method: str) -> None:
             return result
         engine_inputs = result[1] if isinstance(result, tuple) else result
         for engine_input in engine_inputs:
-            prompt = effective_prompt_tokens(serving._extract_prompt_len(engine_input), request, max_model_len)
+            counted = vllm_internals.prompt_token_count(serving, engine_input)
+            prompt = effective_prompt_tokens(counted, request, max_model_len)
             message = over_context_message(prompt, param, requested, max_model_len)
             if message:
                 return serving.create_error_response(message, param=param)

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 from ray import serve
 
+from serve_app import vllm_internals
 from serve_app.config import ModelConfig, split_engine_args
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
@@ -93,8 +94,8 @@ class ModelServer:
         state = State()
         await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
         stop_ids = glm4_serving.configure(state, self.engine)
-        enforce_context_limit(state.openai_serving_chat, "render_chat_request")
-        enforce_context_limit(state.openai_serving_completion, "render_completion_request")
+        enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP)
+        enforce_context_limit(state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP)
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -221,7 +222,7 @@ class ModelServer:
         """Give every request the hung engine holds an error, as vLLM does when its engine dies."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        self.engine.output_processor.propagate_error(EngineDeadError("the engine stopped making progress"))
+        vllm_internals.fail_engine_requests(self.engine, EngineDeadError("the engine stopped making progress"))
 
     def _leave(self) -> None:
         """End this replica's process (its engine died); see :mod:`serve_app.replica.engine_watch`."""

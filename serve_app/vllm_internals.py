@@ -1,0 +1,75 @@
+"""Every place the app reaches into vLLM past its documented API, in one module.
+
+vLLM's serving classes, engine and metrics are reused as they are; a few of
+their internals are read or replaced to finish them for GLM-4 and for serving
+under Ray. Each such touch is a function here, named for what it does, so a vLLM
+upgrade has one module to review. ``tests/unit/test_vllm_internals.py`` fails on
+any vLLM version other than :data:`WRITTEN_AGAINST` and checks that every
+attribute named here still exists in the installed vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+WRITTEN_AGAINST = "0.32.0"
+
+# The render steps of vLLM's serving classes: a request rendered and tokenized,
+# before the engine sees it (wrapped by serve_app.replica.context_limit).
+CHAT_RENDER_STEP = "render_chat_request"
+COMPLETION_RENDER_STEP = "render_completion_request"
+
+# The renderer's chat rendering, sync and async (wrapped by serve_app.glm4.serving).
+CHAT_RENDER_METHODS = ("render_messages", "render_messages_async")
+
+
+def prompt_token_count(serving: Any, engine_input: Any) -> int:
+    """Tokens in one rendered prompt, as the serving class counts them for usage."""
+    return serving._extract_prompt_len(engine_input)
+
+
+def use_chat_parser(state: Any, parser_cls: type) -> None:
+    """Make ``parser_cls`` the parser of the chat serving object and of the online renderer.
+
+    vLLM composes its generic parser around the configured tool parser; no
+    argument selects a whole parser class.
+    """
+    state.openai_serving_chat.parser_cls = parser_cls
+    state.online_renderer.parser = parser_cls
+
+
+def generation_config_fields(engine: Any) -> dict[str, Any]:
+    """The generation config the engine's input processor applies to every request (mutable)."""
+    return engine.input_processor.generation_config_fields
+
+
+def fail_engine_requests(engine: Any, error: Exception) -> None:
+    """Give every request the engine holds ``error``, as vLLM does when its engine dies."""
+    engine.output_processor.propagate_error(error)
+
+
+def ray_stat_logger(set_gauge: Callable[[Any, float, dict[str, str]], object]) -> type:
+    """vLLM's Ray stat logger, its gauges set through ``set_gauge(metric, value, tags)``.
+
+    The logger's ``_gauge_cls`` (vLLM's switch between Prometheus and Ray gauges)
+    is replaced; each gauge's Ray metric and tags are ``metric`` and ``_tags``.
+    The logger records empty stats at start, so its gauges read 0 before the
+    engine's first step.
+    """
+    from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    class SetThroughGauge(RayGaugeWrapper):
+        def set(self, value: int | float) -> None:
+            set_gauge(self.metric, value, self._tags)
+
+    class StatLogger(RayPrometheusStatLogger):
+        _gauge_cls = SetThroughGauge
+
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            super().__init__(vllm_config, engine_indexes)
+            for index in self.engine_indexes:  # (vLLM's counters skip increments of 0)
+                self.record(SchedulerStats(), None, engine_idx=index)
+
+    return StatLogger

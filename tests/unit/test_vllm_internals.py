@@ -1,0 +1,71 @@
+"""The vLLM internals the app touches exist in the installed vLLM, and that vLLM is the one they were read in.
+
+An upgrade of vLLM fails the first test on purpose: review each function of
+``serve_app/vllm_internals.py`` against the new version's source, then move
+``WRITTEN_AGAINST``. The other tests say which touch broke when a name moved.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import vllm
+
+from serve_app import vllm_internals
+
+
+def assigns(cls: type, attribute: str) -> bool:
+    """``cls.__init__`` sets ``self.<attribute>`` (instance attributes are not on the class)."""
+    return f"self.{attribute}" in inspect.getsource(cls.__init__)
+
+
+def test_the_installed_vllm_is_the_one_the_internals_were_written_against() -> None:
+    assert vllm.__version__ == vllm_internals.WRITTEN_AGAINST, (
+        f"vLLM {vllm.__version__} is installed; serve_app/vllm_internals.py was written against "
+        f"{vllm_internals.WRITTEN_AGAINST}: check each of its touches, then update WRITTEN_AGAINST"
+    )
+
+
+def test_the_serving_classes_have_the_render_steps_and_prompt_count() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    for serving, step in (
+        (OpenAIServingChat, vllm_internals.CHAT_RENDER_STEP),
+        (OpenAIServingCompletion, vllm_internals.COMPLETION_RENDER_STEP),
+    ):
+        assert inspect.iscoroutinefunction(getattr(serving, step)), (serving, step)
+        assert callable(serving._extract_prompt_len), serving
+    assert assigns(OpenAIServingChat, "parser_cls")
+
+
+def test_the_renderers_have_the_chat_rendering_and_parser() -> None:
+    from vllm.entrypoints.launchers.api_server import app_state
+    from vllm.renderers.base import BaseRenderer
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    sync_name, async_name = vllm_internals.CHAT_RENDER_METHODS
+    assert callable(getattr(BaseRenderer, sync_name))
+    assert inspect.iscoroutinefunction(getattr(BaseRenderer, async_name))
+    assert assigns(OnlineRenderer, "parser")
+    assert "state.online_renderer" in inspect.getsource(app_state.init_app_state)
+
+
+def test_the_engine_has_its_generation_config_and_error_propagation() -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    assert assigns(AsyncLLM, "input_processor") and assigns(AsyncLLM, "output_processor")
+    assert assigns(InputProcessor, "generation_config_fields")
+    assert list(inspect.signature(OutputProcessor.propagate_error).parameters) == ["self", "e"]
+
+
+def test_the_ray_stat_logger_gauge_class_is_the_switch_that_is_replaced() -> None:
+    from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
+
+    assert RayPrometheusStatLogger._gauge_cls is RayGaugeWrapper
+    assert assigns(RayGaugeWrapper, "metric") and "self._tags" in inspect.getsource(RayGaugeWrapper)
+    logger_cls = vllm_internals.ray_stat_logger(lambda metric, value, tags: None)
+    assert issubclass(logger_cls, RayPrometheusStatLogger)
+    assert issubclass(logger_cls._gauge_cls, RayGaugeWrapper) and logger_cls._gauge_cls is not RayGaugeWrapper
