@@ -82,7 +82,11 @@ async def stream_sse(
     cut short (the client left) is counted as one token per event it was sent.
     """
     events = 0
+    ended = False  # an error event was written: nothing follows it, only the Outcome is still read
     try:
+        if (error := trailing_error(first)) is not None:
+            record.failed(*error)
+            ended = True
         yield first
         events += first.count("data: ") if on_tokens else 0
         while True:
@@ -93,20 +97,27 @@ async def stream_sse(
             if isinstance(chunk, Outcome):
                 record.outcome = chunk
                 continue
+            if ended:
+                continue
             events += chunk.count("data: ") if on_tokens else 0
             if (error := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
                 record.failed(*error)
+                ended = True
             yield chunk
     except DeadlineExceeded:
-        error = deadline.expired()
-        record.failed(error.status, error.code)
-        yield sse_error_event(error.status, error.message, error.code)
+        if not ended:
+            error = deadline.expired()
+            record.failed(error.status, error.code)
+            yield sse_error_event(error.status, error.message, error.code)
     except TaskCancelledError:  # the client left; nobody reads an error event
         pass
     except Exception as exc:
-        error = replica_failure(exc)
-        record.failed(error.status, error.code)
-        yield sse_error_event(error.status, error.message, error.code)
+        # After the replica's own error event (its engine died, and the replica is
+        # leaving), the call's failure is the same event's consequence: one error per stream.
+        if not ended:
+            error = replica_failure(exc)
+            record.failed(error.status, error.code)
+            yield sse_error_event(error.status, error.message, error.code)
     finally:
         rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
         if on_tokens is not None:

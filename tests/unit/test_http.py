@@ -1,144 +1,29 @@
-"""The ingress's HTTP logic with fake model handles: limits, errors, relaying, framing.
-
-These fakes stand in for Ray handles only to test the ingress's own decisions;
-the real path (Ray Serve + vLLM) is proven in tests/e2e.
-"""
+"""The ingress's HTTP logic with fake model handles (tests/unit/fake_ingress.py): limits, errors, relaying, framing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from typing import Any
 
 import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
-from serve_app.config import CORSConfig
-from serve_app.ingress.auth import APIKeys
 from serve_app.ingress.deadlines import TimeLimits
-from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.routes import HTTPSettings, build_http_app
 from serve_app.protocol import Reply
-
-CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
-
-
-HANG = object()  # an item that never arrives: the replica is busy or stuck
-SLOW = object()  # the next item comes after 0.6 s: a long answer under way
-
-
-class FakeResponses:
-    """Mimics a DeploymentResponseGenerator: async-iterable with cancel()."""
-
-    def __init__(self, items: list[Any]):
-        self.items = list(items)
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if item is SLOW:
-            await asyncio.sleep(0.6)
-            item = self.items.pop(0)
-        if item is HANG:
-            await asyncio.Event().wait()  # only a deadline ends this wait
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class FakeHandle:
-    """Answers the n-th call with ``calls[n]`` (the last script repeats)."""
-
-    def __init__(self, calls: list[list[Any]]):
-        self.calls = calls
-        self.payloads: list[Any] = []
-        self.trace_contexts: list[dict[str, str] | None] = []
-        self.last: FakeResponses | None = None
-
-    def __getattr__(self, method: str):
-        handle = self
-
-        class Method:
-            def remote(self, payload, trace_context=None):
-                handle.payloads.append(payload)
-                handle.trace_contexts.append(trace_context)
-                handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
-                return handle.last
-
-        return Method()
-
-
-class FixedReadiness:
-    """Stands in for ReadinessWatch: always the same answer."""
-
-    def __init__(self, answer: Readiness) -> None:
-        self.answer = answer
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def readiness(self) -> Readiness:
-        return self.answer
-
-
-def client_for(
-    items: list[Any],
-    limit: int = 1 << 20,
-    healthy: bool = True,
-    limits: TimeLimits | None = None,
-    then: list[list[Any]] = (),
-    retry_s: float = 0.0,
-    api_keys: APIKeys | None = None,
-    cors: CORSConfig | None = None,
-    key_limits: KeyLimits | None = None,
-    metrics: Any = None,
-    log_content: bool = False,
-    max_output_tokens: int | None = None,
-    body_timeout_s: float = 30.0,
-) -> tuple[TestClient, FakeHandle]:
-    """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
-    handle = FakeHandle([items, *then])
-    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
-
-    readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
-
-    settings = HTTPSettings(
-        max_request_body_bytes=limit,
-        time_limits=limits or TimeLimits(600, 120),
-        unavailable_retry_s=retry_s,
-        body_timeout_s=body_timeout_s,
-        api_keys=api_keys,
-        cors=cors,
-        key_limits=key_limits,
-        metrics=metrics,
-        log_content=log_content,
-    )
-    app = build_http_app(router, settings, readiness)
-    return TestClient(app, raise_server_exceptions=False), handle
-
-
-def assert_openai_error(response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if param is not None:
-        assert error["param"] == param
-    return error
+from tests.unit.fake_ingress import (
+    CHAT,
+    HANG,
+    SHORT,
+    SLOW,
+    FixedReadiness,
+    assert_openai_error,
+    client_for,
+)
 
 
 def test_unary_reply_is_written_with_its_status():
@@ -298,7 +183,6 @@ def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
     assert events == ["start", "stop"]
 
 
-SHORT = TimeLimits(request_timeout_s=0.3, first_token_timeout_s=0.1)
 FIRST = 'data: {"choices": []}\n\n'
 
 
@@ -433,7 +317,7 @@ def test_a_request_whose_engine_died_under_it_is_answered_once_never_sent_again(
 
 def test_a_stream_whose_engine_died_mid_answer_ends_with_its_error_and_is_counted():
     from serve_app.errors import sse_error_event
-    from tests.unit.test_observability import RecordingMetrics
+    from tests.unit.fake_ingress import RecordingMetrics
 
     metrics = RecordingMetrics()
     failed = sse_error_event(500, "the engine failed", "engine_failed").decode()
@@ -443,6 +327,28 @@ def test_a_stream_whose_engine_died_mid_answer_ends_with_its_error_and_is_counte
     assert len(handle.payloads) == 1
     [record] = metrics.records
     assert (record.status, record.error_code) == (500, "engine_failed")
+
+
+@pytest.mark.parametrize("where", ["first chunk", "later chunk"])
+def test_a_replica_that_dies_after_its_error_event_adds_no_second_error(where):
+    """A replica whose engine died sends its streams' error events, then its process exits;
+    the call's failure that follows is the same event: each stream ends with one error."""
+    from ray.exceptions import ActorDiedError
+
+    from serve_app.errors import sse_error_event
+    from serve_app.protocol import Outcome
+    from tests.unit.fake_ingress import RecordingMetrics
+
+    metrics = RecordingMetrics()
+    failed = sse_error_event(500, "the engine failed", "engine_failed").decode()
+    chunks = [FIRST + failed] if where == "first chunk" else [FIRST, 'data: {"x": 1}\n\n' + failed]
+    client, _ = client_for([*chunks, Outcome(5, 1, ()), ActorDiedError()], metrics=metrics)
+    response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == 200 and response.text.endswith(failed)
+    assert response.text.count('"error"') == 1
+    [record] = metrics.records
+    assert (record.status, record.error_code) == (500, "engine_failed")
+    assert record.outcome == Outcome(5, 1, ())  # still read after the error event
 
 
 def test_a_replica_process_that_died_during_the_call_is_tried_on_one_more_replica_at_most():
