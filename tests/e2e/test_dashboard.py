@@ -23,14 +23,14 @@ import pytest
 import yaml
 
 from tests.e2e.prometheus import Prometheus, prometheus_binary
-from tests.e2e.telemetry import wait_until
-from tests.e2e.test_load import (
+from tests.e2e.streams import (
     LONG,
     chat,
     in_flight_reaches_zero,
     open_streams,
 )
-from tests.unit.test_k8s_monitoring import DASHBOARD, MONITORING
+from tests.e2e.telemetry import wait_until
+from tests.unit.k8s_manifests import DASHBOARD, MONITORING
 
 RULES = MONITORING / "prometheus-rules.yaml"
 GAUGE_TTL_S = 20  # two of Ray's 10 s metric export intervals: an unset gauge is dropped after this

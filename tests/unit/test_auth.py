@@ -18,7 +18,7 @@ from serve_app.ingress.auth import (
 )
 from serve_app.ingress.route_path import route_path
 from serve_app.protocol import Reply
-from tests.unit.test_http import CHAT, assert_openai_error, client_for
+from tests.unit.fake_ingress import CHAT, assert_openai_error, client_for
 
 FIRST, SECOND, THIRD = "sk-first-0123456789abc", "sk-second-abcdef012345", "sk-third-9876543210zyx"
 KEYS = f"# rotated 2026-11\n{FIRST}\n\n  {SECOND}  \n{THIRD}\n"

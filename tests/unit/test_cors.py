@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from serve_app.config import CORSConfig, IngressConfig
 from serve_app.ingress.auth import APIKeys
 from serve_app.protocol import Reply
-from tests.unit.test_http import CHAT, client_for
+from tests.unit.fake_ingress import CHAT, client_for
 
 ORIGIN = "https://chat.example.com"
 PREFLIGHT = {

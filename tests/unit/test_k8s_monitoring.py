@@ -15,10 +15,8 @@ import pytest
 import yaml
 
 from serve_app.observability.metrics import exported_names
-from tests.unit.test_k8s import K8S, OVERLAYS, rendered
+from tests.unit.k8s_manifests import DASHBOARD, MONITORING, OVERLAYS, rendered
 
-MONITORING = K8S / "monitoring"
-DASHBOARD = MONITORING / "grafana-dashboard.json"
 _METRIC = re.compile(r"\bray_[a-zA-Z0-9_]+")
 
 
@@ -45,7 +43,7 @@ def test_every_serving_metric_has_a_panel(dashboard):
 def test_the_dashboard_pod_monitor_and_rules_render_with_kustomize():
     import subprocess
 
-    from tests.unit.test_k8s import kubectl
+    from tests.unit.k8s_manifests import kubectl
 
     out = subprocess.run([kubectl(), "kustomize", str(MONITORING)], check=True, capture_output=True, text=True).stdout
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}

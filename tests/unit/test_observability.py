@@ -22,26 +22,12 @@ from serve_app.observability import tracing
 from serve_app.observability.record import CLIENT_GONE, Phase, RequestRecord
 from serve_app.observability.request_log import completion_text, request_fields
 from serve_app.protocol import Outcome, Reply
-from tests.unit.test_http import CHAT, HANG, client_for
+from tests.unit.fake_ingress import CHAT, HANG, SHORT, RecordingMetrics, client_for
 
 ROLE = 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 TOKEN = 'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
 LAST = 'data: {"choices":[{"index":0,"delta":{"content":"!"},"finish_reason":"stop"}]}\n\n'
 DONE = "data: [DONE]\n\n"
-
-
-class RecordingMetrics:
-    """Stands in for ServingMetrics: keeps what it is told."""
-
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-        self.moves: list[tuple[str | None, Phase, Phase]] = []
-
-    def ended(self, record: RequestRecord) -> None:
-        self.records.append(record)
-
-    def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
-        self.moves.append((record.model, old, new))
 
 
 def test_a_stream_is_recorded_with_its_outcome_timings_and_phases():
@@ -91,8 +77,6 @@ def test_refusals_are_recorded_with_status_and_code_and_no_client_model_name(scr
 
 
 def test_a_stream_failing_midway_is_recorded_under_the_errors_status():
-    from tests.unit.test_http import SHORT
-
     metrics = RecordingMetrics()
     client, _ = client_for([TOKEN, HANG], limits=SHORT, metrics=metrics)
     response = client.post("/v1/chat/completions", json=CHAT | {"stream": True})

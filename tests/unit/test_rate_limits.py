@@ -17,7 +17,7 @@ from serve_app.ingress.auth import APIKeys
 from serve_app.ingress.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
 from serve_app.protocol import Outcome, Reply
 from serve_app.replica.stream_transforms import OutcomeTap
-from tests.unit.test_http import CHAT, assert_openai_error, client_for
+from tests.unit.fake_ingress import CHAT, assert_openai_error, client_for
 
 KEYS = "sk-alpha-0123456789ab\nsk-beta-0123456789abc"
 

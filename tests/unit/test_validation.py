@@ -30,7 +30,7 @@ from tests.hostile_requests import (
     encoded,
 )
 from tests.request_strategies import request_bodies
-from tests.unit.test_http import assert_openai_error, client_for
+from tests.unit.fake_ingress import assert_openai_error, client_for
 
 
 @pytest.fixture(scope="module")

