@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -15,23 +14,8 @@ import yaml
 from benchmarks.client import carries_tokens
 from serve_app.config import parse_app_config
 from serve_app.observability import metrics
+from tests.e2e.streams import LONG, chat, in_flight_reaches_zero, open_streams
 from tests.e2e.telemetry import scrape, total, wait_until
-
-LONG = {"max_tokens": 900, "min_tokens": 900}  # seconds of generation for the tiny model
-
-
-def chat(model: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}]} | extra
-
-
-async def in_flight_reaches_zero(deployment, within_s: float) -> float:
-    """Poll the engine's in-flight count; return how long it took to reach zero."""
-    start = time.monotonic()
-    while (count := await deployment.in_flight.remote()) != 0:
-        elapsed = time.monotonic() - start
-        assert elapsed < within_s, f"{count} requests still in the engine after {elapsed:.2f} s"
-        await asyncio.sleep(0.02)  # poll interval of the condition above
-    return time.monotonic() - start
 
 
 async def timed_chat(client: httpx.AsyncClient, model: str, tokens: int) -> float:
@@ -41,66 +25,38 @@ async def timed_chat(client: httpx.AsyncClient, model: str, tokens: int) -> floa
     return time.monotonic() - start
 
 
-@contextlib.asynccontextmanager
-async def open_streams(client: httpx.AsyncClient, body: dict, count: int) -> AsyncIterator[None]:
-    """Open ``count`` streams and enter once each has its first chunk; on exit their clients leave mid-stream."""
-    opened = [asyncio.Event() for _ in range(count)]
-    leave = asyncio.Event()
-
-    async def hold(started: asyncio.Event) -> None:
-        try:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200, await response.aread()
-                lines = response.aiter_lines()  # held: dropping it would close the stream now
-                async for line in lines:
-                    if line.startswith("data: {"):
-                        break
-                started.set()
-                await leave.wait()
-            # leaving the block closes the connection mid-stream
-        finally:
-            started.set()  # also when it failed, so the test reports why instead of hanging
-
-    tasks = [asyncio.create_task(hold(e)) for e in opened]
-    try:
-        await asyncio.gather(*(e.wait() for e in opened))
-        yield
-    finally:
-        leave.set()
-        await asyncio.gather(*tasks)
-
-
 STREAMS = 16
 
 
 async def test_each_streams_first_token_arrives_while_generation_still_runs(app, one_replica):
     """Streams are streamed, not delivered whole: no layer between engine and socket buffers them.
 
-    Sixteen equal long streams start together and end together; each client, as soon as
-    its first token arrives, asks the engine how many requests it holds, then reads its
-    answer to the end. Its own request is one of them while it is streamed; a layer that
-    held chunks back until an answer ended would deliver the first token only after the
-    engine had finished all these equal requests, and the count would be zero. The answers
-    take seconds to generate, so a slow call to the replica on a busy machine still lands
-    while they run.
+    Sixteen equal long streams start together and end together (seconds of generation).
+    The client numbers what it reads in order of arrival: every stream's first token
+    must come before any stream's end. A layer that held chunks back until an answer
+    ended would deliver each stream's first token with its end, after the first end.
+    (Read on the client alone: a call to the replica takes seconds on a busy machine.)
     """
+    arrivals = itertools.count()
     limits = httpx.Limits(max_connections=STREAMS)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
         await in_flight_reaches_zero(one_replica, within_s=30.0)
 
-        async def one() -> int:
-            body = chat(app.model, stream=True, **LONG)
-            in_flight_at_first_token = -1
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                async for line in response.aiter_lines():
-                    first = in_flight_at_first_token < 0 and line.startswith("data: {")
-                    if first and carries_tokens(json.loads(line[6:])):
-                        in_flight_at_first_token = await one_replica.in_flight.remote()
-            return in_flight_at_first_token
+        async def one() -> tuple[int, int]:
+            """When this stream's first token and its end arrived, as places in ``arrivals``."""
+            first_token = -1
+            async with client.stream("POST", "/v1/chat/completions", json=chat(app.model, stream=True, **LONG)) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if first_token < 0 and line.startswith("data: {") and carries_tokens(json.loads(line[6:])):
+                        first_token = next(arrivals)
+                    elif line == "data: [DONE]":
+                        return first_token, next(arrivals)
+            raise AssertionError("a stream ended without [DONE]")
 
         results = await asyncio.gather(*(one() for _ in range(STREAMS)))
-    assert all(count > 0 for count in results), results
+    first_end = min(end for _, end in results)
+    assert all(0 <= first < first_end for first, _ in results), sorted(results)
 
 
 async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replica, metrics_url):
