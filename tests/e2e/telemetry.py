@@ -114,6 +114,26 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(value for (sample, have), value in samples.items() if sample == name and wanted <= have)
 
 
+REPORT_S = 10.0  # Ray's metrics_report_interval_ms: how often a process's metrics reach the endpoint
+
+
+def settled(url: str, name: str, within_s: float = 60.0) -> Samples:
+    """A scrape after which ``name`` held still for a whole report interval.
+
+    Earlier tests' traffic is then in it, not reported late into a test's own
+    measurement. The wait is the condition itself: one interval without a change.
+    """
+    deadline = time.monotonic() + within_s
+    samples = scrape(url)
+    while True:
+        time.sleep(REPORT_S + 1)
+        again = scrape(url)
+        if total(again, name) == total(samples, name):
+            return again
+        assert time.monotonic() < deadline, f"{name} still changing after {within_s} s"
+        samples = again
+
+
 def wait_until(condition: Callable[[], Any], within_s: float, what: str) -> Any:
     """Poll ``condition`` until it returns something true; fail naming ``what`` after ``within_s``."""
     deadline = time.monotonic() + within_s

@@ -2,6 +2,8 @@
 
 The failure this guards against: the first request answers and the others come
 back empty or one at a time (a server that serialises, or reuses request ids).
+That they ran together is read from what the clients received (streams) and from
+the engine's own metrics (unary requests).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import httpx
 import pytest
 
 from tests.e2e.sse import post_stream
+from tests.e2e.telemetry import scrape, settled, total, wait_until
 
 CONCURRENCY = 64
 MAX_TOKENS = 32
+ITERATION_TOKENS = "ray_vllm_iteration_tokens_total"  # vLLM's tokens computed per engine step
+SHARED_STEP_TOKENS = 32  # a bucket bound of that histogram
 
 
 def chat_body(model: str, **extra) -> dict:
@@ -59,9 +64,25 @@ async def test_concurrent_streams_each_deliver_every_token(app, client):
         assert finish == ["length"]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
+    # They were served together: most streams had begun before the first of them ended
+    # (streams served one at a time would each begin after the one before ended).
+    first_end = min(stream.last_received for stream in streams)
+    begun = sum(stream.first_received < first_end for stream in streams)
+    assert begun >= CONCURRENCY // 2, f"only {begun} of {CONCURRENCY} streams had begun when the first ended"
 
 
-async def test_concurrent_unary_requests_each_complete(app, client):
+def steps_over(samples, tokens: int) -> float:
+    """Engine steps (vLLM's iteration_tokens histogram) that computed more than ``tokens`` tokens."""
+    return total(samples, f"{ITERATION_TOKENS}_count") - total(samples, f"{ITERATION_TOKENS}_bucket", le=f"{tokens}.0")
+
+
+async def test_concurrent_unary_requests_each_complete(app, client, metrics_url):
+    """Each answer is complete and its own; the engine computed them in shared steps.
+
+    A step of more tokens than one request's prompt plus one means several requests
+    shared it: a server running one request at a time never makes one.
+    """
+    before = settled(metrics_url, f"{ITERATION_TOKENS}_count")
     body = chat_body(app.model)
     responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(CONCURRENCY)))
     ids = set()
@@ -74,3 +95,10 @@ async def test_concurrent_unary_requests_each_complete(app, client):
         assert len(choice["logprobs"]["content"]) == MAX_TOKENS
         assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
+    prompt_tokens = responses[0].json()["usage"]["prompt_tokens"]
+    assert prompt_tokens + 1 <= SHARED_STEP_TOKENS, prompt_tokens  # (else a lone request's step would count)
+    wait_until(
+        lambda: steps_over(scrape(metrics_url), SHARED_STEP_TOKENS) > steps_over(before, SHARED_STEP_TOKENS),
+        within_s=60,
+        what=f"an engine step of more than {SHARED_STEP_TOKENS} tokens",
+    )

@@ -14,7 +14,7 @@ import secrets
 import httpx
 
 from serve_app.observability import metrics
-from tests.e2e.telemetry import scrape, total, wait_until
+from tests.e2e.telemetry import scrape, settled, total, wait_until
 
 TOKENS = 16
 STREAMS = 4
@@ -34,7 +34,8 @@ def serving(samples, name: str, model: str, **labels: str) -> float:
 
 
 async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
-    before = scrape(metrics_url)
+    """The counts grow by exactly what was sent; the gauges come back to 0; vLLM's metrics are there per replica."""
+    before = settled(metrics_url, f"ray_{metrics.REQUESTS}_total")  # earlier tests' requests all reported
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
         streams = [client.post("/v1/chat/completions", json=body(app.model, stream=True)) for _ in range(STREAMS)]
         responses = await asyncio.gather(*streams, client.post("/v1/chat/completions", json=body(app.model)))
@@ -53,22 +54,32 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
         (metrics.REQUESTS + "_total", (("status", "200"), ("finish_reason", "length"))): STREAMS + 1,
     }
 
+    def engine_tokens(samples) -> float:  # vLLM's own count of the tokens it generated
+        return total(samples, "ray_vllm_generation_tokens_total")
+
     def counted():
         samples = scrape(metrics_url)
         grown = {key: grew_by(samples, key[0], **dict(key[1])) for key in expected}
-        return samples if all(grown[key] >= want for key, want in expected.items()) else None
+        engine_grew = engine_tokens(samples) - engine_tokens(before) >= (STREAMS + 1) * TOKENS
+        return samples if engine_grew and all(grown[key] >= want for key, want in expected.items()) else None
 
-    samples = wait_until(counted, within_s=60, what=f"serving metrics grow by {expected}")
+    samples = wait_until(counted, within_s=60, what=f"serving metrics grow by {expected}, vLLM's tokens too")
+    assert {key: grew_by(samples, key[0], **dict(key[1])) for key in expected} == expected
     for name in (metrics.TIME_TO_FIRST_TOKEN, metrics.TIME_PER_OUTPUT_TOKEN, metrics.E2E_LATENCY):
-        count = serving(samples, name + "_count", app.model)
-        assert serving(samples, name + "_bucket", app.model, le="+Inf") == count
-        assert serving(samples, name + "_sum", app.model) > 0
-    for gauge in (metrics.QUEUED, metrics.RUNNING):
-        assert any(name == f"ray_{gauge}" for name, _ in samples), gauge
+        assert grew_by(samples, name + "_sum") > 0, name  # the requests took time
+
+    # Every request ended: the ingress's gauges of queued and running requests are back at 0
+    # (present, not absent: they are set again while idle).
+    def idle():
+        samples = scrape(metrics_url)
+        gauges = (metrics.QUEUED, metrics.RUNNING)
+        present = all(any(name == f"ray_{gauge}" for name, _ in samples) for gauge in gauges)
+        return present and all(serving(samples, gauge, app.model) == 0 for gauge in gauges)
+
+    wait_until(idle, within_s=60, what="queued and running gauges back at 0")
     # vLLM's own engine metrics, one series per model replica.
     engine = [labels for name, labels in samples if name == "ray_vllm_generation_tokens_total"]
     assert engine and all(dict(labels).get("ReplicaId") for labels in engine)
-    assert total(samples, "ray_vllm_generation_tokens_total") >= (STREAMS + 1) * TOKENS
 
 
 async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(app, otlp_collector):
