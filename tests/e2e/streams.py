@@ -48,7 +48,7 @@ async def open_streams(client: httpx.AsyncClient, body: dict, count: int) -> Asy
 
     tasks = [asyncio.create_task(hold(e)) for e in opened]
     try:
-        await asyncio.gather(*(e.wait() for e in opened))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), timeout=120)
         yield
     finally:
         leave.set()

@@ -20,7 +20,7 @@ from tests.e2e.serve_state import death_reason, replica_engines
 from tests.e2e.serve_state import wait_until as serve_wait_until
 from tests.e2e.telemetry import scrape, total, wait_until
 
-pytestmark = pytest.mark.disruptive
+pytestmark = [pytest.mark.disruptive, pytest.mark.timeout(600)]
 
 STREAMS = 8
 
@@ -69,7 +69,7 @@ async def streams_through(app, hit: Callable[[], None]) -> list[Stream]:
 
         tasks = [asyncio.create_task(stream()) for _ in range(STREAMS)]
         # As soon as one stream is under way: on 2 shared cores the others may not have begun yet.
-        await first_chunk.wait()
+        await asyncio.wait_for(first_chunk.wait(), timeout=120)
         hit()
         return await asyncio.gather(*tasks)
 
