@@ -40,6 +40,7 @@ test: install tiny-model
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 unit: install
 	$(BIN)/python -m pytest -v -m "not e2e"

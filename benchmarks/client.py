@@ -82,7 +82,7 @@ async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestR
                 if event.get("usage"):
                     record.output_tokens = event["usage"]["completion_tokens"]
                 if carries_tokens(event):
-                    if record.ttft_s is None:
+                    if last_output is None:
                         record.ttft_s = now - started
                     else:
                         record.gaps_s.append(now - last_output)

@@ -117,6 +117,7 @@ async def run_load(clients: Clients, workload: Workload, load: Load, seed: int =
         await asyncio.gather(*(worker() for _ in range(load.concurrency)))
     else:
         arrivals = random.Random(seed)
+        assert load.rate is not None  # a load is by concurrency or by rate
         tasks = []
         for _ in range(load.requests):
             tasks.append(asyncio.create_task(one()))

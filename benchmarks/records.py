@@ -32,9 +32,11 @@ class RequestRecord:
 def percentiles(values: list[float]) -> dict[str, float | None]:
     """p50/p90/p99 and the mean, in milliseconds; None when there is nothing to summarise."""
     if not values:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+        empty: dict[str, float | None] = {f"p{p}": None for p in PERCENTILES}
+        return empty | {"mean": None}
     array = np.asarray(values) * 1000
-    return {f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES} | {"mean": float(array.mean())}
+    summary: dict[str, float | None] = {f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES}
+    return summary | {"mean": float(array.mean())}
 
 
 def summarize(load: dict[str, Any], records: list[RequestRecord], wall_s: float) -> dict[str, Any]:

@@ -12,9 +12,9 @@ replica asks. Settings are read in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from serve_app.config import parse_app_config
 from serve_app.ingress.deployment import Ingress
@@ -22,16 +22,21 @@ from serve_app.ingress.rate_limits import RateLimiter
 from serve_app.replica.deployment import ModelServer
 
 
+def deployment(cls: type) -> Deployment:
+    """The Serve deployment ``@serve.deployment`` made of ``cls`` (a type checker sees the class)."""
+    return cast(Deployment, cls)
+
+
 def build_app(args: dict[str, Any]) -> Application:
     config = parse_app_config(args)
     handles = {
-        model.name: ModelServer.options(
-            name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s)
-        ).bind(model)
+        model.name: deployment(ModelServer)
+        .options(name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s))
+        .bind(model)
         for model in config.models
     }
     limits = config.ingress.rate_limits
     rate_limiter = None
     if limits is not None:
-        rate_limiter = RateLimiter.options(name="rate-limiter", **limits.deployment).bind(limits)
-    return Ingress.options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)
+        rate_limiter = deployment(RateLimiter).options(name="rate-limiter", **limits.deployment).bind(limits)
+    return deployment(Ingress).options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)

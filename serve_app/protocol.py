@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import pickle
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from pydantic import BaseModel
 
@@ -59,6 +60,22 @@ class Reply:
 
 
 Answer = Reply | str | Outcome  # what a replica's generator yields
+
+
+class GenerationRequest(Protocol):
+    """What the ingress reads of a validated request, in either form it crosses in: vLLM's
+    ``ChatCompletionRequest`` or ``CompletionRequest``, or a :class:`PickledRequest`."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def stream(self) -> bool | None: ...
+
+
+def as_generation_request(request: BaseModel) -> GenerationRequest:
+    """A vLLM request model seen as a :class:`GenerationRequest` (every one has both fields)."""
+    return cast(GenerationRequest, request)
 
 
 @dataclass(frozen=True)

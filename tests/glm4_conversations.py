@@ -9,8 +9,9 @@ Shared by the unit tests (template rendered alone) and the end-to-end tests
 from __future__ import annotations
 
 import json
+from typing import Any
 
-WEATHER_TOOL = {
+WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -22,7 +23,7 @@ WEATHER_TOOL = {
         },
     },
 }
-TIME_TOOL = {
+TIME_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from serve_app.errors import APIError
 
 TIMEOUT_HEADER = "x-request-timeout"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class DeadlineExceeded(Exception):
     """A wait ran past its deadline."""
 
 
-async def next_before(responses: object, when: float) -> object:
+async def next_before(responses: AsyncIterator[T], when: float) -> T:
     """The next item of an async iterator, or :class:`DeadlineExceeded` at ``when`` (loop clock).
 
     Uses ``asyncio.timeout_at``, which creates no task per item; only our own
@@ -85,7 +87,7 @@ async def next_before(responses: object, when: float) -> object:
     timer = asyncio.timeout_at(when)
     try:
         async with timer:
-            return await responses.__anext__()  # type: ignore[attr-defined]
+            return await anext(responses)
     except TimeoutError:
         if timer.expired():
             raise DeadlineExceeded from None

@@ -10,9 +10,8 @@ or queues behind generation requests.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
 
 from serve_app.config import AppConfig
@@ -26,7 +25,7 @@ from serve_app.observability import tracing
 from serve_app.observability.metrics import ServingMetrics
 
 
-def key_limits(config: AppConfig, rate_limiter: Any) -> KeyLimits | None:
+def key_limits(config: AppConfig, rate_limiter: DeploymentHandle | None) -> KeyLimits | None:
     limits = config.ingress.rate_limits
     if limits is None or rate_limiter is None:
         return None
@@ -38,7 +37,9 @@ def key_limits(config: AppConfig, rate_limiter: Any) -> KeyLimits | None:
 class Ingress:
     """Receives OpenAI-style HTTP requests and streams them to model replicas."""
 
-    def __init__(self, config: AppConfig, handles: dict[str, Any], rate_limiter: Any = None) -> None:
+    def __init__(
+        self, config: AppConfig, handles: dict[str, DeploymentHandle], rate_limiter: DeploymentHandle | None = None
+    ) -> None:
         tracing.configure_tracing()
         self.router = ModelRouter(
             {

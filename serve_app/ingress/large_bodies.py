@@ -61,8 +61,8 @@ def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIE
         return exc
     request = PickledRequest(
         pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL),
-        payload.request_id,  # type: ignore[attr-defined]  # every vLLM request model has it
-        bool(getattr(payload, "stream", False)),
+        payload.request_id,
+        bool(payload.stream),
     )
     return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request)
 

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 
@@ -146,10 +146,26 @@ def rate_limited(decision: Decision) -> APIError:
     )
 
 
+class RemoteMethod(Protocol):
+    """A method of a Serve deployment handle: ``.remote(...)`` sends the call."""
+
+    def remote(self, *args: Any) -> Any: ...
+
+
+class LimiterHandle(Protocol):
+    """What the ingress calls on the RateLimiter deployment (a Serve handle to it, in production)."""
+
+    @property
+    def admit(self) -> RemoteMethod: ...
+
+    @property
+    def charge(self) -> RemoteMethod: ...
+
+
 class KeyLimits:
     """The ingress's side of the limits: ask before a request, report tokens after its answer."""
 
-    def __init__(self, limiter: Any, counts_tokens: bool) -> None:
+    def __init__(self, limiter: LimiterHandle, counts_tokens: bool) -> None:
         self.limiter = limiter
         self.counts_tokens = counts_tokens  # whether answers must report their usage
         self._charges: set[asyncio.Task[None]] = set()

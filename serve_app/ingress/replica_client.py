@@ -15,15 +15,15 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pydantic import BaseModel
 from ray.exceptions import TaskCancelledError
+from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.errors import UNAVAILABLE, APIError, sse_error_event
 from serve_app.ingress.deadlines import Deadline, DeadlineExceeded, next_before
 from serve_app.observability.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
-from serve_app.protocol import Outcome, PickledRequest, Reply, trailing_error
+from serve_app.protocol import GenerationRequest, Outcome, Reply, trailing_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -84,8 +84,8 @@ async def stream_sse(
     events = 0
     ended = False  # an error event was written: nothing follows it, only the Outcome is still read
     try:
-        if (error := trailing_error(first)) is not None:
-            record.failed(*error)
+        if (ending := trailing_error(first)) is not None:
+            record.failed(*ending)
             ended = True
         yield first
         events += first.count("data: ") if on_tokens else 0
@@ -100,8 +100,8 @@ async def stream_sse(
             if ended:
                 continue
             events += chunk.count("data: ") if on_tokens else 0
-            if (error := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
-                record.failed(*error)
+            if (ending := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
+                record.failed(*ending)
                 ended = True
             yield chunk
     except DeadlineExceeded:
@@ -125,9 +125,9 @@ async def stream_sse(
 
 
 async def relay(
-    handle: Any,
+    handle: DeploymentHandle,
     method: str,
-    payload: BaseModel | PickledRequest,
+    payload: GenerationRequest,
     deadline: Deadline,
     record: RequestRecord,
     retry_s: float = 0.0,
@@ -147,7 +147,7 @@ async def relay(
     what killed the engine; a replica process that died during the call is tried
     on one more replica at most, so no request can take down replica after replica.
     """
-    streaming = bool(getattr(payload, "stream", False))
+    streaming = bool(payload.stream)
     first_by = deadline.first_token_at if streaming else deadline.end_at
     retry_until: float | None = None  # set at the first refusal
     replica_deaths = 0  # calls that failed because their replica process died

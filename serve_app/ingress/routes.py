@@ -48,9 +48,9 @@ from serve_app.ingress.validation import (
     decode_body,
     parse_request,
 )
-from serve_app.observability.record import ObserveRequests, RequestRecord
+from serve_app.observability.record import Observer, ObserveRequests, RequestObserver, RequestRecord
 from serve_app.observability.request_log import log_request
-from serve_app.protocol import PickledRequest
+from serve_app.protocol import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -87,7 +87,7 @@ class HTTPSettings:
     key_limits: KeyLimits | None = None  # None: no per-key rate limits
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
     # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
-    metrics: Any = None
+    metrics: RequestObserver | None = None
     log_requests: bool = True  # one structured line per generation request
     log_content: bool = False  # ... with the prompt and the completion in it
 
@@ -118,7 +118,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     settings: HTTPSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
-    payload: BaseModel | PickledRequest
+    payload: GenerationRequest
     if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
         checked = await state.body_checker.check(endpoint.request_model, raw)
         body, payload = checked.fields, checked.request
@@ -128,7 +128,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
         entry = state.router.route(body.get("model"))  # an unknown model: 404 before any 400
         payload = parse_request(endpoint.request_model, body)
     record.model = entry.name
-    record.request_id, record.stream = payload.request_id, bool(getattr(payload, "stream", False))
+    record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)
     check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
@@ -231,7 +231,7 @@ def build_http_app(
             )
         )
     # Inside CORS (a preflight is no request), outside API keys (a 401 is counted and logged).
-    observers = [settings.metrics.ended] if settings.metrics is not None else []
+    observers: list[Observer] = [settings.metrics.ended] if settings.metrics is not None else []
     observers += [log_request] if settings.log_requests else []
     middleware.append(
         Middleware(

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMClientError
 
 from serve_app.errors import APIError, quoted
+from serve_app.protocol import GenerationRequest, as_generation_request
 
 MAX_NESTING = 64  # far above any real request (tool schemas included); far below the parser's limits
 MAX_CONTAINERS = 100_000  # arrays and objects in one body: a long conversation with tools has thousands
@@ -129,7 +130,7 @@ def field_names(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationRequest:
     """Validate ``body`` strictly with vLLM's ``model``; a fresh uuid4 replaces any client request id."""
     for name in IGNORED_OPENAI_PARAMS & body.keys():
         del body[name]
@@ -154,7 +155,7 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     except (TypeError, AttributeError, KeyError):  # a vLLM validator met a shape it did not expect
         raise APIError(400, "invalid request: a parameter has the wrong shape") from None
     check_ranges(body)  # what the client sent, now known to have the right JSON types
-    return payload
+    return as_generation_request(payload)
 
 
 def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_output_tokens: int | None = None) -> None:

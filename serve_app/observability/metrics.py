@@ -109,20 +109,21 @@ class ServingMetrics:
             for gauge in (self.queued, self.running):
                 self._gauges.set(gauge, 0, {"model": name})
         for name in [*models, UNKNOWN_MODEL]:  # refused before routing (404, a 429 for a large body)
-            model = {"model": name}
+            of_model = {"model": name}
             for counter, tags in [
-                (self.prompt_tokens, model),
-                (self.completion_tokens, model),
-                (self.engine_failures, model),
-                (self.rejected, model | {"reason": "overloaded"}),
-                (self.rejected, model | {"reason": "rate_limit_exceeded"}),
-                (self.aborted, model | {"phase": "waiting"}),
-                (self.aborted, model | {"phase": "streaming"}),
+                (self.prompt_tokens, of_model),
+                (self.completion_tokens, of_model),
+                (self.engine_failures, of_model),
+                (self.rejected, of_model | {"reason": "overloaded"}),
+                (self.rejected, of_model | {"reason": "rate_limit_exceeded"}),
+                (self.aborted, of_model | {"phase": "waiting"}),
+                (self.aborted, of_model | {"phase": "streaming"}),
             ]:
                 start_at_zero(counter, tags)
             for endpoint in endpoints:  # the statuses the alerting rules divide by the total
                 for status in ALERTED_STATUSES:
-                    start_at_zero(self.requests, model | {"endpoint": endpoint, "status": status, "finish_reason": ""})
+                    tags = of_model | {"endpoint": endpoint, "status": status, "finish_reason": ""}
+                    start_at_zero(self.requests, tags)
 
     def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
         """Keep the gauges: called by a record on each change of phase once it has a model."""

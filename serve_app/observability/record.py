@@ -15,7 +15,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -89,12 +89,21 @@ class RequestRecord:
     def tpot_s(self) -> float | None:
         """Time per output token after the first, as vLLM defines it; None with fewer than two tokens."""
         tokens = self.outcome.completion_tokens if self.outcome else 0
-        if tokens < 2 or self.ttft_s is None or self.ended_at is None or not self.completed:
+        started = self.first_byte_at if self.stream else None  # when ttft_s is known
+        if tokens < 2 or started is None or self.ended_at is None or not self.completed:
             return None
-        return (self.ended_at - self.first_byte_at) / (tokens - 1)
+        return (self.ended_at - started) / (tokens - 1)
 
 
 Observer = Callable[[RequestRecord], None]
+
+
+class RequestObserver(Protocol):
+    """Told of each request as it moves between phases and when it ends (ServingMetrics)."""
+
+    def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None: ...
+
+    def ended(self, record: RequestRecord) -> None: ...
 
 
 class ObserveRequests:
@@ -184,7 +193,7 @@ def close_span(record: RequestRecord) -> None:
     if span is None or not span.is_recording():
         return
     attributes: dict[str, Any] = {"http.response.status_code": record.status or 0, "llm.stream": record.stream}
-    optional = {
+    optional: dict[str, Any] = {
         "gen_ai.request.model": record.model,
         "gen_ai.response.id": record.request_id,
         "llm.time_to_first_token_s": record.ttft_s,

@@ -50,7 +50,7 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Serves one model's chat and text completions from a vLLM engine."""
 
-    async def __init__(self, model: ModelConfig) -> None:
+    async def __init__(self, model: ModelConfig) -> None:  # type: ignore[misc]  # Serve awaits it
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state

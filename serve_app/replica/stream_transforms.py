@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from serve_app.errors import error_body
@@ -32,7 +32,7 @@ class _Failure:
     exc: BaseException
 
 
-async def coalesce(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def coalesce(chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
     """Yield every chunk of ``chunks``; chunks that are already waiting go out as one.
 
     A pump task reads ``chunks`` into a queue; each time the consumer asks, it

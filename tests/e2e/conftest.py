@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +117,14 @@ def ray_cluster():
 def reload_ray_auth_settings() -> None:
     """Make this process read RAY_AUTH_* again: Ray caches its config (and the token) on first use,
     which collecting the unit tests may already have caused."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 
 
 @pytest.fixture(scope="session")
-def app(tmp_path_factory, otlp_collector, ray_cluster) -> RunningApp:
+def app(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[RunningApp]:
     config = yaml.safe_load(CONFIG.read_text())
     port = free_port()
     config["http_options"]["port"] = port

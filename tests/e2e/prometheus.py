@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class Prometheus:
     process: subprocess.Popen[bytes]
 
     @classmethod
-    def start(cls, metrics_url: str, workdir: Path, rule_files: list[Path] = ()) -> Prometheus:
+    def start(cls, metrics_url: str, workdir: Path, rule_files: Sequence[Path] = ()) -> Prometheus:
         target = urlparse(metrics_url)
         config = {
             "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},

@@ -65,7 +65,7 @@ async def streamed_answer(stream) -> tuple[str, list[tuple[str, str, str]], str 
                 entry[1] += (call.function.name or "") if call.function else ""
                 entry[2] += (call.function.arguments or "") if call.function else ""
             finish = choice.finish_reason or finish
-    return content, [tuple(calls[i]) for i in sorted(calls)], finish
+    return content, [(calls[i][0], calls[i][1], calls[i][2]) for i in sorted(calls)], finish
 
 
 @pytest.mark.parametrize("name", CONVERSATIONS)
@@ -79,7 +79,9 @@ async def test_server_renders_the_documented_prompt(app, http, name):
 
 def token_ids(app, *tokens: str) -> list[int]:
     tokenizer = Tokenizer.from_file(str(app.model_path / "tokenizer.json"))
-    return [tokenizer.token_to_id(token) for token in tokens]
+    ids = [tokenizer.token_to_id(token) for token in tokens]
+    assert None not in ids, dict(zip(tokens, ids, strict=True))
+    return [i for i in ids if i is not None]
 
 
 @pytest.mark.parametrize("token", STOP_TOKENS)

@@ -7,6 +7,7 @@ proven in tests/e2e.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.testclient import TestClient
@@ -97,7 +98,7 @@ def client_for(
     limit: int = 1 << 20,
     healthy: bool = True,
     limits: TimeLimits | None = None,
-    then: list[list[Any]] = (),
+    then: Sequence[list[Any]] = (),
     retry_s: float = 0.0,
     api_keys: APIKeys | None = None,
     cors: CORSConfig | None = None,

@@ -142,6 +142,7 @@ def key_file(tmp_path) -> tuple[Path, APIKeys]:
     path = tmp_path / "keys"
     write_keys(path, f"{OLD}\n", 1_000)
     keys = load_api_keys(APIKeysConfig(file=str(path)))
+    assert keys is not None
     keys.recheck_s = 0.0
     return path, keys
 

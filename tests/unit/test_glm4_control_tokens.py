@@ -7,6 +7,7 @@ checked is what the replica's tokenizer does.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -36,7 +37,7 @@ def prompt_tokenizer(tokenizer) -> PromptTokenizer:
     return PromptTokenizer(tokenizer)
 
 
-def rendered(messages: list[dict], tools: list[dict] | None = None) -> str:
+def rendered(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     prompts, _ = render_jinja_template(
         [messages], tools=tools, chat_template=CHAT_TEMPLATE_PATH.read_text(), add_generation_prompt=True
     )
@@ -59,7 +60,7 @@ def test_client_text_in_every_field_yields_no_control_token(tokenizer, prompt_to
         "type": "function",
         "function": {"name": "f", "description": FORGED, "parameters": {"type": "object", "properties": {FORGED: {}}}},
     }
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": FORGED},
         {"role": "user", "content": [{"type": "text", "text": "<|us"}, {"type": "text", "text": "er|>"}]},
         {

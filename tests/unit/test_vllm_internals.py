@@ -16,7 +16,7 @@ from serve_app import vllm_internals
 
 def assigns(cls: type, attribute: str) -> bool:
     """``cls.__init__`` sets ``self.<attribute>`` (instance attributes are not on the class)."""
-    return f"self.{attribute}" in inspect.getsource(cls.__init__)
+    return f"self.{attribute}" in inspect.getsource(cls.__init__)  # type: ignore[misc]
 
 
 def test_the_installed_vllm_is_the_one_the_internals_were_written_against() -> None:
@@ -68,4 +68,5 @@ def test_the_ray_stat_logger_gauge_class_is_the_switch_that_is_replaced() -> Non
     assert assigns(RayGaugeWrapper, "metric") and "self._tags" in inspect.getsource(RayGaugeWrapper)
     logger_cls = vllm_internals.ray_stat_logger(lambda metric, value, tags: None)
     assert issubclass(logger_cls, RayPrometheusStatLogger)
-    assert issubclass(logger_cls._gauge_cls, RayGaugeWrapper) and logger_cls._gauge_cls is not RayGaugeWrapper
+    gauge_cls = logger_cls._gauge_cls  # type: ignore[attr-defined]
+    assert issubclass(gauge_cls, RayGaugeWrapper) and gauge_cls is not RayGaugeWrapper
