@@ -166,6 +166,28 @@ async def test_unary_answer_past_its_time_limit_is_504_and_aborted(app, one_repl
     await in_flight_reaches_zero(one_replica, within_s=1.0)
 
 
+async def test_stream_without_its_first_token_in_time_is_504_and_aborted(app, one_replica):
+    """The first-token deadline on the real engine: while the engine is busy with held streams,
+    a stream whose first chunk cannot come in time gets 504 ``first_token_timeout`` and its
+    request leaves the engine. (Its limit is set with X-Request-Timeout, which caps
+    ``first_token_timeout_s``; 5 ms is less than one engine step plus three process hops.)"""
+    held = 8
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        await in_flight_reaches_zero(one_replica, within_s=30.0)
+        async with open_streams(client, chat(app.model, stream=True, **LONG), held):
+            body = chat(app.model, stream=True, **LONG)
+            response = await client.post("/v1/chat/completions", json=body, headers={"X-Request-Timeout": "0.005"})
+            assert response.status_code == 504, response.text
+            error = response.json()["error"]
+            assert (error["code"], error["type"]) == ("first_token_timeout", "timeout_error")
+            # Only the held streams remain in the engine (a held one may have ended already).
+            start = time.monotonic()
+            while (count := await one_replica.in_flight.remote()) > held:
+                assert time.monotonic() - start < 10, f"{count} requests in the engine, {held} streams held"
+                await asyncio.sleep(0.05)  # poll interval of the condition above
+        await in_flight_reaches_zero(one_replica, within_s=30.0)
+
+
 BURST = 480  # far above one replica's 64 running + 256 queued
 # Long enough that the queue cannot drain while the burst is still arriving (its 480
 # requests reach the replica over a second or two; 8-token answers once let every one
