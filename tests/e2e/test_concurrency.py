@@ -20,6 +20,9 @@ CONCURRENCY = 64
 MAX_TOKENS = 32
 ITERATION_TOKENS = "ray_vllm_iteration_tokens_total"  # vLLM's tokens computed per engine step
 SHARED_STEP_TOKENS = 32  # a bucket bound of that histogram
+# Requests reach the engine over a second or so on 2 busy cores, and the first may end before
+# the last begin: a quarter of them under way at once is batching, not one at a time.
+OVERLAPPING = CONCURRENCY // 4
 
 
 def chat_body(model: str, **extra) -> dict:
@@ -64,11 +67,19 @@ async def test_concurrent_streams_each_deliver_every_token(app, client):
         assert finish == ["length"]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
-    # They were served together: most streams had begun before the first of them ended
-    # (streams served one at a time would each begin after the one before ended).
-    first_end = min(stream.last_received for stream in streams)
-    begun = sum(stream.first_received < first_end for stream in streams)
-    assert begun >= CONCURRENCY // 2, f"only {begun} of {CONCURRENCY} streams had begun when the first ended"
+    # They were served together: many streams were under way at once (first piece received,
+    # last not yet). Streams served one at a time would never overlap: at most 1.
+    assert most_at_once(streams) >= OVERLAPPING, f"at most {most_at_once(streams)} streams were under way at once"
+
+
+def most_at_once(streams) -> int:
+    """The most streams under way at one moment, from the order their pieces arrived in."""
+    changes = sorted([(s.first_received, 1) for s in streams] + [(s.last_received, -1) for s in streams])
+    under_way = most = 0
+    for _, change in changes:
+        under_way += change
+        most = max(most, under_way)
+    return most
 
 
 def steps_over(samples, tokens: int) -> float:
