@@ -1,0 +1,38 @@
+"""The README's calls, run as written against the running app (only its address differs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+from tests.doc_blocks import block_starting
+
+README_URL = "http://127.0.0.1:8000"
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+async def test_the_readmes_curl_streams_an_answer_with_its_usage(app):
+    command = block_starting("README.md", "curl -N").text.replace(README_URL, app.url)
+    done = await asyncio.to_thread(run, ["bash", "-c", command])
+    assert done.returncode == 0, done.stderr
+    events = [line[6:] for line in done.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    # max_tokens, or one of GLM-4's stop tokens before it (the tiny model's 384-token vocabulary
+    # makes one likely enough that the text itself may be empty).
+    assert 0 < chunks[-1]["usage"]["completion_tokens"] <= 64
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+async def test_the_readmes_openai_client_streams_an_answer_without_error(app):
+    code = block_starting("README.md", "from openai import OpenAI").text.replace(README_URL, app.url)
+    done = await asyncio.to_thread(run, [sys.executable, "-c", code])
+    assert done.returncode == 0, done.stderr
+    # It printed the answer's text as it streamed (the tiny model's noise, empty when its first
+    # token is a stop token), and the SDK met nothing it could not parse.
+    assert done.stderr == ""
