@@ -114,6 +114,18 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(value for (sample, have), value in samples.items() if sample == name and wanted <= have)
 
 
+def increase(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How much ``name`` (over the series whose labels include ``labels``) grew between two
+    scrapes, series by series: a series that appeared counts from 0, one that vanished (its
+    replica stopped) takes nothing away."""
+    wanted = set(labels.items())
+    return sum(
+        value - before.get((sample, have), 0.0)
+        for (sample, have), value in after.items()
+        if sample == name and wanted <= have
+    )
+
+
 REPORT_S = 10.0  # Ray's metrics_report_interval_ms: how often a process's metrics reach the endpoint
 
 
