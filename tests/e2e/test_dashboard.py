@@ -1,10 +1,11 @@
 """The Grafana dashboard and the alerting rules on a real Prometheus scraping the real app.
 
 Prometheus (Debian's package) scrapes Ray's metrics endpoint every second while
-traffic runs: complete streams and abandoned streams (aborts). Then the app idles
-for longer than Ray keeps a gauge that is not set again (20 s), and every panel
-query of k8s/monitoring/grafana-dashboard.json is evaluated as Grafana would (``$model`` and ``$application`` as "All",
-``$__rate_interval`` as 1m): each must return a series, and the gauges must read 0.
+traffic runs: complete streams, abandoned streams (aborts) and large bodies refused
+with 429. Then the app idles for longer than Ray keeps a gauge that is not set again
+(20 s), and every panel query of k8s/monitoring/grafana-dashboard.json is evaluated as
+Grafana would (``$model`` and ``$application`` as "All", ``$__rate_interval`` as 1m):
+each must return a series, and the gauges must read 0.
 The rules of k8s/monitoring/prometheus-rules.yaml are loaded into the same
 Prometheus; each expression is evaluated, each rule must evaluate without error,
 and promtool must accept the file.
@@ -12,6 +13,7 @@ and promtool must accept the file.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -22,6 +24,8 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.hostile_bodies import hostile_bodies
+from serve_app.observability.metrics import UNKNOWN_MODEL
 from tests.e2e.prometheus import Prometheus, prometheus_binary
 from tests.e2e.streams import (
     LONG,
@@ -82,13 +86,39 @@ def test_promtool_accepts_the_rules(tmp_path: Path):
     assert f"SUCCESS: {sum(len(g['rules']) for g in rule_groups())} rules found" in check.stdout
 
 
-async def drive_traffic(app, deployment) -> None:
-    """Complete streams, then abandoned streams (aborts).
+LARGE_BODIES = 24  # at once: three times what one ingress replica's checker lets wait
+LARGE_BODY_BYTES = 1 << 20  # checked in the checker process (over 256 KiB), tens of ms each
 
-    The 429 counters are exported at 0 from the start, so their panels and the
-    429-ratio rule answer without a burst here; test_load's burst test checks that
-    every 429 is counted. (A burst here made later disruptive tests fail in CI:
-    see the closing note of 2026-11-23.)
+
+async def refuse_large_bodies(app) -> list[int]:
+    """Large bodies at once, each with one bad parameter, until some are refused with 429.
+
+    Past 8 waiting per ingress replica, a large body gets 429 ``overloaded`` before
+    any model is chosen (counted under the model ``unknown``); the rest get their
+    400. No model replica sees any of them, so nothing here scales the app.
+    """
+    body = hostile_bodies(app.model, LARGE_BODY_BYTES)["many messages, one bad parameter"]
+    headers = {"Content-Type": "application/json"}
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        for _ in range(5):  # a round whose bodies arrive slower than they are checked has no 429
+            responses = await asyncio.gather(
+                *(client.post("/v1/chat/completions", content=body, headers=headers) for _ in range(LARGE_BODIES))
+            )
+            statuses += [r.status_code for r in responses]
+            if 429 in statuses:
+                break
+    assert set(statuses) <= {400, 429} and 429 in statuses, sorted(statuses)
+    return statuses
+
+
+async def drive_traffic(app, deployment) -> None:
+    """Complete streams, abandoned streams (aborts), and large bodies refused with 429.
+
+    The 429s come from the large-body checker's bound, not from a burst on the
+    model: a burst here made later disruptive tests fail in CI (it scaled the
+    model deployment out); test_load's burst test checks that those 429s are
+    counted too.
     """
     async with httpx.AsyncClient(base_url=app.url, timeout=300) as client:
         await in_flight_reaches_zero(deployment, within_s=30.0)
@@ -98,6 +128,7 @@ async def drive_traffic(app, deployment) -> None:
         async with open_streams(client, chat(app.model, stream=True, **LONG), 4):
             pass  # each stream has its first chunk; leaving aborts them
         await in_flight_reaches_zero(deployment, within_s=30.0)
+    await refuse_large_bodies(app)
 
 
 def scraped(prometheus: Prometheus, expr: str) -> bool:
@@ -116,7 +147,8 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
     # round's events land on series Prometheus already holds.
     wait_until(
         lambda: scraped(prometheus, 'ray_glm4_serve_requests_total{status="200"}')
-        and scraped(prometheus, 'ray_glm4_serve_requests_total{status="499"}'),
+        and scraped(prometheus, 'ray_glm4_serve_requests_total{status="499"}')
+        and scraped(prometheus, 'ray_glm4_serve_requests_total{status="429"} > 0'),
         within_s=60,
         what="Prometheus holds the first round's series",
     )
@@ -161,8 +193,9 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
             if "record" in rule:
                 assert values[name], f"recording rule {name} has no series"
     print("rule expressions after idle:\n" + "\n".join(f"  {k}: {v}" for k, v in values.items()))
-    # No 429 here: the served model's ratio is 0, not missing.
-    assert [r for m, r in values["glm4_serve:rejected_ratio:rate5m"] if m["model"] == app.model] == ["0"]
+    # The large bodies' 429s show under the model "unknown"; the served model had none: 0, not missing.
+    ratios = {m["model"]: float(r) for m, r in values["glm4_serve:rejected_ratio:rate5m"]}
+    assert ratios[UNKNOWN_MODEL] > 0 and ratios[app.model] == 0, ratios
     loaded = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
     assert len(loaded) == sum(len(g["rules"]) for g in rule_groups())
     assert [(r["name"], r.get("lastError")) for r in loaded if r["health"] != "ok"] == []
