@@ -29,6 +29,11 @@ logger = logging.getLogger("ray.serve")
 
 POLL_S = 0.5  # vLLM offers no event for its engine's death, only the `errored` flag
 DRAIN_S = 5.0  # for the requests the dead engine was serving to send their errors back
+# Then for Ray to deliver those errors: it sends a call's last items to the caller after the
+# user code has yielded them, and a process that exits at once can drop them; the caller then
+# sees a dead replica instead of the error, and sends the request to another replica.
+# Ray has no call that waits for that delivery.
+DELIVER_S = 1.0
 
 
 @dataclass
@@ -85,7 +90,7 @@ class EngineWatch:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.watch())
 
-    async def watch(self, poll_s: float = POLL_S, drain_s: float = DRAIN_S) -> None:
+    async def watch(self, poll_s: float = POLL_S, drain_s: float = DRAIN_S, deliver_s: float = DELIVER_S) -> None:
         while not self.engine_dead():
             if self.stall_timeout_s is not None and self._stall_seconds() > self.stall_timeout_s:
                 self.stalled = True
@@ -109,5 +114,6 @@ class EngineWatch:
         drain_by = time.monotonic() + drain_s
         while self.ongoing and time.monotonic() < drain_by:
             await asyncio.sleep(poll_s / 5)
+        await asyncio.sleep(deliver_s)
         if not self.stopping:
             self.leave()

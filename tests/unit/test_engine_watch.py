@@ -51,6 +51,18 @@ async def test_lets_the_calls_it_holds_finish_first() -> None:
     assert left == [1] and watch.ongoing == 0
 
 
+async def test_leaves_only_after_the_errors_had_time_to_be_delivered() -> None:
+    """The calls have ended (their errors yielded); the process still waits ``deliver_s``
+    for Ray to send them before it exits."""
+    engine = Engine()
+    engine.dead = True
+    watch, left = watch_of(engine)
+    task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=5, deliver_s=30))
+    await asyncio.sleep(0.2)
+    assert watch.ongoing == 0 and left == [] and not task.done()
+    task.cancel()
+
+
 async def test_a_call_that_never_ends_does_not_keep_it_alive() -> None:
     engine = Engine()
     engine.dead = True
