@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import ray
 from pydantic import BaseModel
 from ray import serve
 
@@ -211,6 +212,14 @@ class ModelServer:
         prove abandoned and timed-out requests are aborted.
         """
         return self.engine.get_num_unfinished_requests()
+
+    async def engine_load(self) -> tuple[str, int]:
+        """This replica's Ray actor id and the requests its engine holds: which replica is busy.
+
+        For operators, and for the autoscale test, which kills the engine of a replica
+        seen holding requests (Serve's router may leave one replica idle for a while).
+        """
+        return ray.get_runtime_context().get_actor_id(), self.engine.get_num_unfinished_requests()
 
     async def check_health(self) -> None:
         """Serve's health check: a dead or hung engine makes Serve replace this replica (if it has not left)."""

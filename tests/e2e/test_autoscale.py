@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
 
 import httpx
@@ -68,6 +69,21 @@ def chat(model: str, tokens: int, **extra) -> dict:
     } | extra
 
 
+async def a_busy_replica(handle, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
+    """The actor id of one of ``replicas`` whose engine holds at least ``held`` requests.
+
+    Serve's router may leave one replica idle for a while (its queue-length probes time
+    out on busy cores); killing an idle engine would prove nothing about held requests.
+    """
+    start = time.monotonic()
+    while True:
+        replica, holds = await handle.engine_load.remote()
+        if replica in replicas and holds >= held:
+            return replica
+        assert time.monotonic() - start < within_s, f"no replica seen holding {held} requests in {within_s:.0f} s"
+        await asyncio.sleep(0.2)  # poll interval of the condition above
+
+
 async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(app, one_replica):
     import ray
 
@@ -101,10 +117,11 @@ async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back
         # A second engine loads in 1-4 min on 2 cores busy with the load itself.
         out = await wait_until(lambda: running(one_replica, 2), timeout_s=480, what="scaled out to 2 running replicas")
         print(f"scaled out in {out:.0f} s under {CLIENTS} clients ({len(answered)} answers)")
-        # Under the same load, the engine of the first replica, which holds a full batch, dies.
+        # Under the same load, the engine of a replica seen holding requests dies.
         engines = await asyncio.to_thread(replica_engines, one_replica)
         assert len(engines) == 2 and all(engines.values()) and first_replica in engines, engines
-        victim, victim_engine = first_replica, engines[first_replica]
+        victim = await a_busy_replica(one_replica, set(engines))
+        victim_engine = engines[victim]
         (survivor,) = set(engines) - {victim}
         for process in victim_engine:
             process.send_signal(signal.SIGKILL)
