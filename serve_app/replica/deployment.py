@@ -219,7 +219,7 @@ class ModelServer:
         For operators, and for the autoscale test, which kills the engine of a replica
         seen holding requests (Serve's router may leave one replica idle for a while).
         """
-        return ray.get_runtime_context().get_actor_id(), self.engine.get_num_unfinished_requests()
+        return ray.get_runtime_context().get_actor_id(), await self.in_flight()
 
     async def check_health(self) -> None:
         """Serve's health check: a dead or hung engine makes Serve replace this replica (if it has not left)."""
