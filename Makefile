@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
 STAMP := $(VENV)/.installed
+# The serve config `make serve` runs: the CPU engine by default; deploy/config.sim.yaml
+# is the production shape on the simulated engine.
+CONFIG ?= deploy/config.cpu.yaml
 
 .PHONY: install serve test lint unit e2e bench tiny-model k8s-sync clean
 
@@ -31,8 +34,8 @@ serve: install tiny-model
 	$(BIN)/ray get-auth-token --generate > /dev/null
 	$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
 	trap '$(BIN)/ray stop' EXIT INT TERM; \
-	$(BIN)/python -m tools.ready_line deploy/config.cpu.yaml & \
-	$(BIN)/serve run --address auto deploy/config.cpu.yaml
+	$(BIN)/python -m tools.ready_line $(CONFIG) & \
+	$(BIN)/serve run --address auto $(CONFIG)
 
 test: install tiny-model
 	$(BIN)/python -m pytest -v --durations=15

@@ -97,6 +97,66 @@ class StreamBatchingConfig(_Strict):
         return min(self.max_tokens_per_chunk, 1 + held // self.requests_per_token)
 
 
+class SimulatedEngineConfig(_Strict):
+    """Serve the model from a simulated engine in place of vLLM's engine core.
+
+    Only token generation is replaced: vLLM's ``AsyncLLM`` (input processing,
+    detokenizer, stop strings, ``n``, aborts, its metrics), its OpenAI serving
+    objects and everything of this app run as with the real engine. Token ids are
+    drawn from the configured model's tokenizer with a seeded generator and come out
+    on the timing of GLM-4-9B-Chat in bf16 on one 80 GB H100 with continuous
+    batching (see :mod:`serve_app.simulated_engine`). The defaults are estimates from
+    the hardware's published figures, to be replaced by figures from a GPU run. For
+    measuring the serving layer at GPU speed on a machine without one: its answers
+    are noise, and ``/v1/models`` and every ``system_fingerprint`` say ``simulated``.
+    """
+
+    load_s: float = Field(
+        default=30.0, ge=0, description="Model load time: the replica reports ready this long after it starts."
+    )
+    seed: int = Field(default=0, description="Seeds the token draws of requests that set no seed of their own.")
+    stop_probability: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Chance per token that a request allowed to end early (no ignore_eos, min_tokens "
+        "reached) ends with its stop token; 0: every answer runs to max_tokens.",
+    )
+    gpu_memory_gb: float = Field(default=80.0, gt=0, description="The GPU's memory (H100 80 GB).")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Share of the GPU's memory for weights and KV cache (vLLM's own)."
+    )
+    weights_gb: float = Field(default=18.8, gt=0, description="Weights: 9.4 B parameters x 2 bytes (bf16).")
+    kv_bytes_per_token: int = Field(
+        default=40960, gt=0, description="KV cache per token: 2 (K, V) x 40 layers x 2 KV heads x 128 dims x 2 bytes."
+    )
+    memory_bandwidth_tb_s: float = Field(
+        default=3.35, gt=0, description="HBM bandwidth (H100 SXM): each decode step reads every running sequence's KV."
+    )
+    step_overhead_ms: float = Field(
+        default=7.0,
+        gt=0,
+        description="Fixed cost of one engine step: reading the 18.8 GB of weights at 3.35 TB/s (5.6 ms) "
+        "plus launch and sampling overhead.",
+    )
+    prefill_ms_per_token: float = Field(
+        default=0.031,
+        ge=0,
+        description="Prefill compute per prompt token: 9.4 B params x 2 FLOP at ~600 TFLOP/s achieved.",
+    )
+    max_num_batched_tokens: int = Field(
+        default=8192,
+        gt=0,
+        description="Tokens one step computes, prefill chunks included (vLLM's default on an H100).",
+    )
+
+    @model_validator(mode="after")
+    def _kv_cache_has_room(self) -> SimulatedEngineConfig:
+        if self.gpu_memory_gb * self.gpu_memory_utilization <= self.weights_gb:
+            raise ValueError("gpu_memory_gb x gpu_memory_utilization leaves no room for the KV cache after weights_gb")
+        return self
+
+
 class ModelConfig(_Strict):
     """One served model: its public name, vLLM engine arguments and Serve deployment options."""
 
@@ -111,6 +171,11 @@ class ModelConfig(_Strict):
         "ingress.request_timeout_s.",
     )
     stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
+    simulated_engine: SimulatedEngineConfig | None = Field(
+        default=None,
+        description="Serve from a simulated engine at GPU speed instead of vLLM's (benchmarks on a machine "
+        "without a GPU); not set: the real engine.",
+    )
     engine_stall_timeout_s: float = Field(
         default=60.0,
         gt=0,

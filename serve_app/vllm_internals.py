@@ -49,6 +49,28 @@ def fail_engine_requests(engine: Any, error: Exception) -> None:
     engine.output_processor.propagate_error(error)
 
 
+def async_llm_on_core(vllm_config: Any, make_core: Callable[[Any], Any], **async_llm_args: Any) -> Any:
+    """vLLM's ``AsyncLLM`` driving ``make_core(renderer)`` instead of the engine-core process it starts.
+
+    ``AsyncLLM`` builds its engine-core client with
+    ``EngineCoreClient.make_async_mp_client``, which starts the engine process;
+    no argument supplies another client, so that factory is replaced while the
+    ``AsyncLLM`` is built (construction is synchronous: nothing else runs meanwhile).
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    def make_async_mp_client(*args: Any, renderer: Any = None, **kwargs: Any) -> Any:
+        return make_core(renderer)
+
+    factory = EngineCoreClient.__dict__["make_async_mp_client"]
+    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
+    try:
+        return AsyncLLM.from_vllm_config(vllm_config, **async_llm_args)
+    finally:
+        EngineCoreClient.make_async_mp_client = factory
+
+
 def ray_stat_logger(set_gauge: Callable[[Any, float, dict[str, str]], object]) -> type:
     """vLLM's Ray stat logger, its gauges set through ``set_gauge(metric, value, tags)``.
 

@@ -49,6 +49,7 @@ class Ingress:
                     handles[m.name].options(stream=True),
                     m.engine_args.get("max_model_len"),
                     m.max_output_tokens,
+                    simulated=m.simulated_engine is not None,
                 )
                 for m in config.models
             }

@@ -22,6 +22,7 @@ class ModelEntry(Generic[H]):
     handle: H
     max_model_len: int | None = None
     max_output_tokens: int | None = None  # the model's ceiling on one answer's tokens (None: the context)
+    simulated: bool = False  # served by the simulated engine: its answers are not the model's
 
 
 @dataclass
@@ -57,8 +58,9 @@ class ModelRouter(Generic[H]):
                     "id": entry.name,
                     "object": "model",
                     "created": self.created,
-                    "owned_by": "serve_app",
+                    "owned_by": "simulated" if entry.simulated else "serve_app",
                     "max_model_len": entry.max_model_len,
+                    "simulated": entry.simulated,
                 }
                 for entry in self.entries.values()
             ],

@@ -1,5 +1,9 @@
 """The model deployment: one vLLM ``AsyncLLM`` engine per replica.
 
+With ``simulated_engine`` in the model's config, that ``AsyncLLM`` generates with
+:mod:`serve_app.simulated_engine` instead of vLLM's engine-core process; nothing
+else here changes.
+
 Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
 come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
 ``OpenAIServingCompletion``), set up by vLLM's ``init_app_state`` exactly as its
@@ -13,6 +17,7 @@ checks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import time
@@ -38,6 +43,8 @@ from serve_app.replica.stream_transforms import (
     end_on_error_event,
     normalize_error_event,
 )
+from serve_app.simulated_engine.core import FINGERPRINT as SIMULATED_FINGERPRINT
+from serve_app.simulated_engine.core import simulated_async_llm
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,12 +76,13 @@ class ModelServer:
         progress = EngineProgress()
         engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
         frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
+        if model.simulated_engine is not None:  # every response says it is simulated
+            frontend_kwargs |= {"fingerprint_mode": "custom", "fingerprint_value": SIMULATED_FINGERPRINT}
         engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
         check_dtype(vllm_config.model_config.dtype)
-        self.engine = AsyncLLM.from_vllm_config(
-            vllm_config=vllm_config,
+        engine_options = dict(
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,
             # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
@@ -83,6 +91,11 @@ class ModelServer:
             stat_loggers=[engine_stat_logger(), progress_stat_logger(progress)],
             disable_log_stats=engine_args.disable_log_stats,
         )
+        if model.simulated_engine is None:
+            self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
+        else:
+            self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
+            await asyncio.sleep(model.simulated_engine.load_s)  # the model's load time
         # vLLM's serving objects read a flat namespace of front-end and engine
         # arguments, as its CLI parser produces: nested configs given as mappings
         # in the serve config are taken as the engine resolved them.

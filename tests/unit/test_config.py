@@ -8,6 +8,7 @@ import yaml
 from serve_app.config import ConfigError, parse_app_config, split_engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SHIPPED = ["config.yaml", "config.cpu.yaml", "config.sim.yaml"]
 
 
 def app_args(config_file: str) -> dict:
@@ -19,7 +20,7 @@ def minimal(**model_overrides) -> dict:
     return {"models": [model]}
 
 
-@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+@pytest.mark.parametrize("config_file", SHIPPED)
 def test_shipped_configs_are_valid(config_file):
     config = parse_app_config(app_args(config_file))
     model = config.models[0]
@@ -27,6 +28,36 @@ def test_shipped_configs_are_valid(config_file):
     # A replica admits exactly what its engine batches at once.
     assert model.resolved_deployment()["max_ongoing_requests"] == model.engine_args["max_num_seqs"]
     assert "autoscaling_config" in model.deployment
+
+
+def test_only_the_simulated_config_simulates_the_engine():
+    assert parse_app_config(app_args("config.yaml")).models[0].simulated_engine is None
+    assert parse_app_config(app_args("config.cpu.yaml")).models[0].simulated_engine is None
+    assert parse_app_config(app_args("config.sim.yaml")).models[0].simulated_engine is not None
+
+
+def test_the_simulated_config_has_productions_model_deployment_shape():
+    """Same batch, concurrency limit and replica range as deploy/config.yaml (delays and CPUs differ)."""
+    production = parse_app_config(app_args("config.yaml")).models[0]
+    simulated = parse_app_config(app_args("config.sim.yaml")).models[0]
+    assert simulated.name == production.name
+    assert simulated.engine_args["max_num_seqs"] == production.engine_args["max_num_seqs"] == 64
+    assert simulated.deployment["max_ongoing_requests"] == production.deployment["max_ongoing_requests"]
+    scaling = ("min_replicas", "max_replicas", "target_ongoing_requests")
+    assert [simulated.deployment["autoscaling_config"][k] for k in scaling] == [
+        production.deployment["autoscaling_config"][k] for k in scaling
+    ]
+    assert simulated.engine_args["enable_prefix_caching"] is True
+    # Eight replicas fit Ray's two logical CPUs on a 2-core machine, next to the ingress.
+    assert 8 * simulated.deployment["ray_actor_options"]["num_cpus"] < 1
+
+
+def test_a_simulated_gpu_without_room_for_the_kv_cache_is_refused():
+    args = minimal(simulated_engine={"gpu_memory_gb": 20, "weights_gb": 18.8})
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.simulated_engine: .*no room for the KV cache"):
+        parse_app_config(args)
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.simulated_engine\.step_ms"):
+        parse_app_config(minimal(simulated_engine={"step_ms": 7}))
 
 
 def test_max_ongoing_requests_defaults_to_max_num_seqs():
@@ -97,7 +128,7 @@ def test_engine_and_frontend_arguments_are_split():
     assert frontend == {"chat_template": "t.jinja", "enable_auto_tool_choice": True}
 
 
-@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+@pytest.mark.parametrize("config_file", SHIPPED)
 def test_shipped_configs_pass_ray_serves_own_schema(config_file):
     from ray.serve.schema import ServeDeploySchema
 
@@ -105,7 +136,7 @@ def test_shipped_configs_pass_ray_serves_own_schema(config_file):
     assert [app.import_path for app in schema.applications] == ["serve_app.app:build_app"]
 
 
-@pytest.mark.parametrize("config_file", ["config.yaml", "config.cpu.yaml"])
+@pytest.mark.parametrize("config_file", SHIPPED)
 def test_the_proxys_timeout_outlasts_every_ingress_deadline(config_file):
     """Serve's proxy bounds a request's wait for an ingress replica; it must never end one the ingress still times."""
     serve_config = yaml.safe_load((DEPLOY / config_file).read_text())

@@ -41,3 +41,10 @@ def test_model_list_is_openai_shaped(router):
     assert listing["object"] == "list"
     assert [m["id"] for m in listing["data"]] == ["glm-4-9b-chat", "glm-4-9b-chat-1m"]
     assert all(m["object"] == "model" and isinstance(m["created"], int) for m in listing["data"])
+    assert all(m["owned_by"] == "serve_app" and m["simulated"] is False for m in listing["data"])
+
+
+def test_a_simulated_model_says_so_in_the_model_list():
+    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", "handle", 8192, simulated=True)})
+    [model] = router.model_list()["data"]
+    assert (model["owned_by"], model["simulated"]) == ("simulated", True)

@@ -70,3 +70,15 @@ def test_the_ray_stat_logger_gauge_class_is_the_switch_that_is_replaced() -> Non
     assert issubclass(logger_cls, RayPrometheusStatLogger)
     gauge_cls = logger_cls._gauge_cls  # type: ignore[attr-defined]
     assert issubclass(gauge_cls, RayGaugeWrapper) and gauge_cls is not RayGaugeWrapper
+
+
+def test_async_llm_builds_its_engine_core_client_with_the_factory_the_simulation_replaces() -> None:
+    from vllm.v1.engine import async_llm
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    assert isinstance(EngineCoreClient.__dict__["make_async_mp_client"], staticmethod)
+    assert "EngineCoreClient.make_async_mp_client(" in inspect.getsource(async_llm.AsyncLLM.__init__)
+    # What the simulated core must answer: every engine_core call on AsyncLLM's generate path.
+    source = inspect.getsource(async_llm.AsyncLLM)
+    for call in ("add_request_async(", "get_output_async(", "abort_requests_async(", "resources.engine_dead"):
+        assert f"engine_core.{call}" in source, call

@@ -1,0 +1,243 @@
+"""The simulated engine's timing model and continuous batching (pure logic, on a clock the test drives)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+
+from serve_app.config import SimulatedEngineConfig
+from serve_app.simulated_engine.batch import ContinuousBatch, Emitted, Event, Finish, SimSequence
+from serve_app.simulated_engine.timing import GpuTiming
+
+VOCABULARY = list(range(10, 60))
+EOS = 99  # outside the vocabulary, as a tokenizer's special tokens are
+
+
+def timing(capacity: int = 10_000, budget: int = 1000) -> GpuTiming:
+    """Round figures: 10 ms per step, 1 ms per 1000 context tokens, 0.1 ms per prompt token."""
+    return GpuTiming(
+        step_overhead_s=0.010,
+        kv_bytes_per_token=1000,
+        memory_bandwidth_bytes_s=1e9,
+        prefill_s_per_token=0.0001,
+        kv_capacity_tokens=capacity,
+        max_num_batched_tokens=budget,
+    )
+
+
+def sequence(
+    request_id: str, prompt: int = 10, max_tokens: int = 5, arrival_s: float = 0.0, **overrides: Any
+) -> SimSequence:
+    fields: dict[str, Any] = dict(
+        request_id=request_id,
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        max_model_len=100_000,
+        min_tokens=0,
+        stop_token=EOS,
+        stop_reason=None,
+        avoid=frozenset(),
+        rng=random.Random(request_id),
+        arrival_s=arrival_s,
+    )
+    return SimSequence(**(fields | overrides))
+
+
+def run(batch: ContinuousBatch, start_s: float = 0.0, max_steps: int = 10_000) -> list[tuple[float, Emitted]]:
+    """Steps back to back until nothing is left: every token with the time its step ended."""
+    now = start_s
+    tokens: list[tuple[float, Emitted]] = []
+    for _ in range(max_steps):
+        if batch.idle:
+            return tokens
+        step = batch.schedule(now)
+        assert step is not None, "work is left, but no step runs"
+        now = step.end_s
+        tokens += [(now, emitted) for emitted in batch.complete(step)]
+    raise AssertionError("the batch did not drain")
+
+
+def by_request(tokens: list[tuple[float, Emitted]]) -> dict[str, list[Emitted]]:
+    out: dict[str, list[Emitted]] = {}
+    for _, emitted in tokens:
+        out.setdefault(emitted.sequence.request_id, []).append(emitted)
+    return out
+
+
+# --- the timing model ---
+
+
+def test_the_default_timing_is_glm4_9b_on_one_h100():
+    h100 = GpuTiming.from_config(SimulatedEngineConfig())
+    # (80 GB x 0.9 - 18.8 GB of weights) / 40 KiB per token
+    assert h100.kv_capacity_tokens == int((80 * 0.9 - 18.8) * 1e9 // 40960) == 1_298_828
+    assert h100.step_s(0, 0) == pytest.approx(0.007)
+    # 64 sequences of 1000 tokens: 64,000 x 40 KiB read at 3.35 TB/s adds 0.78 ms.
+    assert h100.step_s(64_000, 0) == pytest.approx(0.007 + 64_000 * 40960 / 3.35e12)
+    # A 1000-token prompt: 31 ms of compute.
+    assert h100.step_s(1000, 1000) - h100.step_s(1000, 0) == pytest.approx(0.031)
+    assert h100.decode_tokens_per_s(64, 288) == pytest.approx(64 / h100.step_s(64 * 288, 0))
+
+
+def test_every_figure_is_a_setting():
+    custom = GpuTiming.from_config(
+        SimulatedEngineConfig(
+            gpu_memory_gb=40,
+            gpu_memory_utilization=0.5,
+            weights_gb=10,
+            kv_bytes_per_token=10_000,
+            memory_bandwidth_tb_s=1,
+            step_overhead_ms=2,
+            prefill_ms_per_token=0.5,
+            max_num_batched_tokens=100,
+        )
+    )
+    assert custom.kv_capacity_tokens == 1_000_000
+    assert custom.step_s(100, 10) == pytest.approx(0.002 + 100 * 10_000 / 1e12 + 10 * 0.0005)
+    assert custom.max_num_batched_tokens == 100
+
+
+# --- continuous batching ---
+
+
+def test_a_sequence_prefills_then_decodes_one_token_per_step_to_max_tokens():
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("a", prompt=10, max_tokens=5))
+    tokens = run(batch)
+    assert [e.finish for _, e in tokens] == [None, None, None, None, Finish.LENGTH]
+    times = [t for t, _ in tokens]
+    # Prefill: 10 ms + 10 tokens of KV + 10 prompt tokens; then one decode step per token.
+    assert times[0] == pytest.approx(0.010 + 10 * 1e-6 + 10 * 1e-4)
+    assert times[1] - times[0] == pytest.approx(0.010 + 11 * 1e-6)
+    assert batch.kv_used_tokens == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    batch = ContinuousBatch(timing(budget=40), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("a", prompt=100, max_tokens=1))
+    steps = []
+    while not batch.idle:
+        step = batch.schedule(0.0)
+        assert step is not None
+        steps.append((step.sequences[0].scheduled_tokens, len(batch.complete(step))))
+    assert steps == [(40, 0), (40, 0), (20, 1)]
+
+
+def test_decoding_sequences_share_one_step():
+    batch = ContinuousBatch(timing(), max_num_seqs=8, vocabulary=VOCABULARY)
+    for name in "abcd":
+        batch.add(sequence(name, max_tokens=3))
+    tokens = run(batch)
+    assert len({t for t, _ in tokens}) == 3, "four sequences, three steps"
+    assert {r: len(e) for r, e in by_request(tokens).items()} == dict.fromkeys("abcd", 3)
+
+
+def test_no_more_than_max_num_seqs_run_and_the_rest_wait_in_order():
+    batch = ContinuousBatch(timing(), max_num_seqs=2, vocabulary=VOCABULARY)
+    for name, arrival in (("a", 0.0), ("b", 0.001), ("c", 0.002)):
+        batch.add(sequence(name, max_tokens=3, arrival_s=arrival))
+    step = batch.schedule(0.005)
+    assert step is not None and [s.request_id for s in step.sequences] == ["a", "b"]
+    tokens = run(batch, start_s=step.end_s) + [(step.end_s, e) for e in batch.complete(step)]
+    first = {r: min(t for t, e in tokens if e.sequence.request_id == r) for r in "abc"}
+    last = {r: max(t for t, e in tokens if e.sequence.request_id == r) for r in "abc"}
+    assert first["c"] > last["a"], "c starts when a slot frees"
+
+
+def test_a_request_that_arrives_after_a_step_starts_waits_for_the_next():
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("late", arrival_s=1.0))
+    assert batch.schedule(0.5) is None
+    assert batch.schedule(1.0) is not None
+
+
+def test_a_full_kv_cache_preempts_the_youngest_which_recomputes_and_still_completes():
+    # Room for 40 tokens: two 10-token prompts growing to 30 tokens each cannot both stay.
+    batch = ContinuousBatch(timing(capacity=40), max_num_seqs=4, vocabulary=VOCABULARY)
+    old, young = sequence("old", max_tokens=20), sequence("young", max_tokens=20, arrival_s=0.001)
+    batch.add(old)
+    batch.add(young)
+    tokens = run(batch, start_s=0.001)
+    assert {r: len(e) for r, e in by_request(tokens).items()} == {"old": 20, "young": 20}
+    assert any(kind is Event.PREEMPTED for kind, _ in young.events)
+    assert not any(kind is Event.PREEMPTED for kind, _ in old.events)
+    assert max(t for t, e in tokens if e.sequence is old) < max(t for t, e in tokens if e.sequence is young)
+    assert batch.kv_used_tokens == 0
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_refused():
+    batch = ContinuousBatch(timing(capacity=40), max_num_seqs=4, vocabulary=VOCABULARY)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        batch.add(sequence("huge", prompt=40))
+
+
+def test_an_abort_during_a_step_drops_its_token_and_frees_its_cache():
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("kept", max_tokens=2))
+    batch.add(sequence("gone", max_tokens=2))
+    step = batch.schedule(0.0)
+    assert step is not None
+    batch.abort(["gone", "never-seen"])
+    assert [e.sequence.request_id for e in batch.complete(step)] == ["kept"]
+    assert batch.kv_used_tokens == 10  # only "kept"'s prompt
+    batch.add(sequence("waiting"))
+    batch.abort(["waiting"])
+    assert [s.request_id for s in batch.waiting] == []
+    assert [e.sequence.request_id for _, e in run(batch)] == ["kept"]
+
+
+def test_the_stop_token_ends_a_request_after_min_tokens_when_it_may_end_early():
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY, stop_probability=1.0)
+    batch.add(sequence("eos", max_tokens=50, min_tokens=3))
+    batch.add(sequence("stop-id", max_tokens=50, stop_token=42, stop_reason=42, avoid=frozenset({42})))
+    batch.add(sequence("ignore-eos", max_tokens=6, stop_token=None))
+    tokens = by_request(run(batch))
+    eos = tokens["eos"]
+    assert [e.token for e in eos[:3]] != [EOS] * 3 and EOS not in [e.token for e in eos[:3]]
+    assert (len(eos), eos[-1].token, eos[-1].finish, eos[-1].stop_reason) == (4, EOS, Finish.STOP, None)
+    stop_id = tokens["stop-id"]
+    assert (len(stop_id), stop_id[-1].token, stop_id[-1].finish, stop_id[-1].stop_reason) == (1, 42, Finish.STOP, 42)
+    assert [e.finish for e in tokens["ignore-eos"]] == [None] * 5 + [Finish.LENGTH]
+
+
+def test_without_a_stop_probability_no_request_ends_early_nor_draws_its_stop_tokens():
+    avoid = frozenset(VOCABULARY[:45])  # all but five tokens of the vocabulary
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("a", max_tokens=500, avoid=avoid))
+    tokens = [e for _, e in run(batch)]
+    assert len(tokens) == 500 and tokens[-1].finish is Finish.LENGTH
+    assert {e.token for e in tokens} == set(VOCABULARY[45:])
+
+
+def test_the_context_limit_ends_a_request_as_max_tokens_does():
+    batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+    batch.add(sequence("a", prompt=10, max_tokens=100, max_model_len=14))
+    tokens = [e for _, e in run(batch)]
+    assert len(tokens) == 4 and tokens[-1].finish is Finish.LENGTH
+
+
+def test_a_seed_gives_the_same_tokens_and_another_seed_others():
+    def drawn(seed: int) -> list[int]:
+        batch = ContinuousBatch(timing(), max_num_seqs=4, vocabulary=VOCABULARY)
+        batch.add(sequence("a", max_tokens=40, rng=random.Random(seed)))
+        return [e.token for _, e in run(batch)]
+
+    assert drawn(7) == drawn(7)
+    assert drawn(7) != drawn(8)
+
+
+def test_throughput_at_64_sequences_is_what_the_timing_model_allows():
+    h100 = GpuTiming.from_config(SimulatedEngineConfig())
+    batch = ContinuousBatch(h100, max_num_seqs=64, vocabulary=VOCABULARY)
+    for i in range(64):
+        batch.add(sequence(str(i), prompt=32, max_tokens=256))
+    tokens = run(batch)
+    elapsed = tokens[-1][0]
+    decode_s = sum(h100.step_s(64 * (32 + k), 0) for k in range(1, 256))
+    prefill_s = h100.step_s(64 * 32, 64 * 32)
+    assert elapsed == pytest.approx(prefill_s + decode_s)
+    assert len(tokens) / elapsed == pytest.approx(64 * 256 / (prefill_s + decode_s))
+    assert math.isclose(len(tokens), 64 * 256)
