@@ -6,6 +6,7 @@ Both get the same engine arguments and the same environment variables (the serve
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from serve_app.simulated_engine.core import FINGERPRINT as SIMULATED_FINGERPRINT
 
 START_TIMEOUT_S = 600
 
@@ -74,6 +77,16 @@ def bare_vllm(config: dict[str, Any], model: str | None, workdir: Path, cwd: Pat
     return ServerCommand("bare vLLM", argv, runtime_env_vars(application), cwd, f"http://127.0.0.1:{port}", "/health")
 
 
+def simulated_vllm(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path) -> ServerCommand:
+    """vLLM's own OpenAI server, as :func:`bare_vllm` starts it, on the model's simulated engine."""
+    bare = bare_vllm(config, model, workdir, cwd)
+    _, entry = app_entry(config, model)
+    simulated = json.dumps(entry.get("simulated_engine") or {})
+    vllm_args = bare.argv[3:] + ["--fingerprint-mode", "custom", "--fingerprint-value", SIMULATED_FINGERPRINT]
+    argv = [sys.executable, "-m", "benchmarks.vllm_frontend", "--simulated-engine", simulated, "--", *vllm_args]
+    return ServerCommand("vLLM's front end", argv, bare.env, cwd, bare.url, bare.health_path)
+
+
 def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path) -> ServerCommand:
     """``serve run`` on a copy of the config with one replica of everything and no API keys.
 
@@ -96,7 +109,10 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
 
 def pin_one_replica(entry: dict[str, Any]) -> dict[str, Any]:
     deployment = {k: v for k, v in (entry.get("deployment") or {}).items() if k != "autoscaling_config"}
-    return dict(entry, deployment=deployment | {"num_replicas": 1})
+    pinned = dict(entry, deployment=deployment | {"num_replicas": 1})
+    if "simulated_engine" in entry:  # measured, not its start: no model load time
+        pinned["simulated_engine"] = dict(entry["simulated_engine"] or {}, load_s=0)
+    return pinned
 
 
 def runtime_env_vars(application: dict[str, Any]) -> dict[str, str]:
@@ -104,8 +120,8 @@ def runtime_env_vars(application: dict[str, Any]) -> dict[str, str]:
 
 
 @contextmanager
-def running(server: ServerCommand, log_path: Path) -> Iterator[ServerCommand]:
-    """The server, started and healthy; stopped (its whole process group) on leaving."""
+def running(server: ServerCommand, log_path: Path) -> Iterator[subprocess.Popen]:
+    """The server's process, started and healthy; stopped (its whole process group) on leaving."""
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             server.argv,
@@ -117,7 +133,7 @@ def running(server: ServerCommand, log_path: Path) -> Iterator[ServerCommand]:
         )
     try:
         wait_until_healthy(server, proc, log_path)
-        yield server
+        yield proc
     finally:
         stop(proc)
 

@@ -10,7 +10,8 @@ attribute named here still exists in the installed vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 WRITTEN_AGAINST = "0.32.0"
@@ -49,26 +50,35 @@ def fail_engine_requests(engine: Any, error: Exception) -> None:
     engine.output_processor.propagate_error(error)
 
 
-def async_llm_on_core(vllm_config: Any, make_core: Callable[[Any], Any], **async_llm_args: Any) -> Any:
-    """vLLM's ``AsyncLLM`` driving ``make_core(renderer)`` instead of the engine-core process it starts.
+@contextlib.contextmanager
+def engine_core_replaced(make_core: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """While inside, every ``AsyncLLM`` built talks to ``make_core(vllm_config, renderer)``
+    instead of starting vLLM's engine-core process.
 
     ``AsyncLLM`` builds its engine-core client with
-    ``EngineCoreClient.make_async_mp_client``, which starts the engine process;
-    no argument supplies another client, so that factory is replaced while the
-    ``AsyncLLM`` is built (construction is synchronous: nothing else runs meanwhile).
+    ``EngineCoreClient.make_async_mp_client``; no argument supplies another client,
+    so that factory is replaced (process-wide) and restored on leaving.
     """
-    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    def make_async_mp_client(*args: Any, renderer: Any = None, **kwargs: Any) -> Any:
-        return make_core(renderer)
+    def make_async_mp_client(vllm_config: Any, *args: Any, renderer: Any = None, **kwargs: Any) -> Any:
+        return make_core(vllm_config, renderer)
 
     factory = EngineCoreClient.__dict__["make_async_mp_client"]
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
     try:
-        return AsyncLLM.from_vllm_config(vllm_config, **async_llm_args)
+        yield
     finally:
         EngineCoreClient.make_async_mp_client = factory
+
+
+def async_llm_on_core(vllm_config: Any, make_core: Callable[[Any, Any], Any], **async_llm_args: Any) -> Any:
+    """vLLM's ``AsyncLLM`` for ``vllm_config`` driving ``make_core(vllm_config, renderer)``'s engine core
+    (construction is synchronous: nothing else builds an engine meanwhile)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with engine_core_replaced(make_core):
+        return AsyncLLM.from_vllm_config(vllm_config, **async_llm_args)
 
 
 def ray_stat_logger(set_gauge: Callable[[Any, float, dict[str, str]], object]) -> type:

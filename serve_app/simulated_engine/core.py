@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +139,16 @@ class SimulatedEngineCore:
     def dp_engines_running(self) -> bool:
         return False
 
+    # What vLLM's API server calls outside generation: nothing of it is simulated.
+    async def reset_mm_cache_async(self) -> None:
+        """No multimodal cache (vLLM's API server resets it at start)."""
+
+    async def reset_prefix_cache_async(self, *args: Any, **kwargs: Any) -> bool:
+        return True  # no prefix cache
+
+    async def is_sleeping_async(self) -> bool:
+        return False
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Nothing to stop: no process, no thread (AsyncLLM cancels its output handler)."""
 
@@ -194,8 +204,9 @@ def simulated_async_llm(vllm_config: Any, config: SimulatedEngineConfig, **async
 
     ``async_llm_args`` are those of ``AsyncLLM.from_vllm_config`` (stat loggers, request logging).
     """
-    return vllm_internals.async_llm_on_core(
-        vllm_config,
-        lambda renderer: SimulatedEngineCore(vllm_config, renderer.tokenizer, config),
-        **async_llm_args,
-    )
+    return vllm_internals.async_llm_on_core(vllm_config, simulated_core_factory(config), **async_llm_args)
+
+
+def simulated_core_factory(config: SimulatedEngineConfig) -> Callable[[Any, Any], SimulatedEngineCore]:
+    """What builds the engine core for an ``AsyncLLM`` (see :func:`serve_app.vllm_internals.engine_core_replaced`)."""
+    return lambda vllm_config, renderer: SimulatedEngineCore(vllm_config, renderer.tokenizer, config)

@@ -144,3 +144,79 @@ def test_the_cpu_share_competitor_runs_only_inside_its_block():
             time.sleep(0.05)  # poll interval of the condition: the spinner has used CPU
         assert sum(spinner.cpu_times()[:2]) >= 0.05 and proc.poll() is None
     assert proc.returncode is not None  # ended with its block
+
+
+def test_the_simulated_sides_run_the_same_engine_settings(tmp_path):
+    """vLLM's front end gets the model's simulated_engine settings; this app, pinned, loads at once."""
+    import yaml
+
+    from benchmarks.servers import simulated_vllm, this_app
+
+    config = yaml.safe_load((REPO / "deploy" / "config.sim.yaml").read_text())
+    entry = config["applications"][0]["args"]["models"][0]
+    vllm = simulated_vllm(config, None, tmp_path, REPO)
+    assert vllm.argv[1:3] == ["-m", "benchmarks.vllm_frontend"]
+    assert json.loads(vllm.argv[vllm.argv.index("--simulated-engine") + 1]) == entry["simulated_engine"]
+    assert vllm.argv[vllm.argv.index("--fingerprint-mode") + 1] == "custom"
+    assert yaml.safe_load((tmp_path / "engine_args.yaml").read_text()) == entry["engine_args"]
+    this_app(config, None, tmp_path, REPO)
+    served = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())["applications"][0]["args"]["models"][0]
+    assert served["simulated_engine"] == entry["simulated_engine"] | {"load_s": 0}
+    assert served["deployment"]["num_replicas"] == 1
+
+
+def test_cpu_is_counted_per_role_and_a_new_process_from_zero():
+    from benchmarks.serving_overhead import cpu_used
+
+    before = {1: ("Serve proxy", 10.0), 2: ("ingress replica", 5.0)}
+    after = {1: ("Serve proxy", 12.5), 2: ("ingress replica", 6.0), 3: ("ingress replica", 0.5)}
+    assert cpu_used(before, after) == {"Serve proxy": 2.5, "ingress replica": 1.5}
+
+
+def test_this_process_is_found_in_its_own_reading():
+    import os
+
+    from benchmarks.serving_overhead import cpu_by_process
+
+    seen = cpu_by_process(os.getpid())
+    assert os.getpid() in seen and seen[os.getpid()][1] > 0
+
+
+def test_what_the_timing_model_allows_grows_with_streams_up_to_the_batch():
+    from benchmarks.serving_overhead import allowed_tokens_per_s
+    from serve_app.config import SimulatedEngineConfig
+
+    settings, workload = SimulatedEngineConfig(), Workload("m", 32, 256)
+    one, batch, beyond = (allowed_tokens_per_s(settings, 64, n, workload) for n in (1, 64, 256))
+    assert one == pytest.approx(
+        256
+        / (
+            0.007
+            + 32 * 0.031e-3
+            + 32 * 40960 / 3.35e12
+            + sum(0.007 + (32 + k) * 40960 / 3.35e12 for k in range(1, 256))
+        )
+    )
+    assert 60 * one < batch == beyond
+
+
+def test_the_overhead_goals_compare_both_sides():
+    from benchmarks.serving_overhead import goals
+
+    def side(ttft: float, tpot: float, cpu: float, share: float) -> dict:
+        return {
+            "levels": [
+                {
+                    "load": {"concurrency": c},
+                    "ttft_ms": {"p50": ttft},
+                    "tpot_ms": {"p50": tpot},
+                    "server_cpu_s_per_1k_tokens": cpu,
+                    "share_of_allowed": share,
+                }
+                for c in (1, 16, 64, 256)
+            ]
+        }
+
+    rows = goals(side(10, 7.0, 0.1, 0.95), side(14, 8.5, 0.2, 0.91))
+    assert [row["met"] for row in rows] == [True, False, False, False, True]
+    assert rows[0]["compared"] == 4 and rows[2]["compared"] == 2
