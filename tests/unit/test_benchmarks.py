@@ -220,3 +220,36 @@ def test_the_overhead_goals_compare_both_sides():
     rows = goals(side(10, 7.0, 0.1, 0.95), side(14, 8.5, 0.2, 0.91))
     assert [row["met"] for row in rows] == [True, False, False, False, True]
     assert rows[0]["compared"] == 4 and rows[2]["compared"] == 2
+
+
+def test_the_scale_ramp_goes_up_holds_and_comes_down():
+    from benchmarks.scale import users_at
+
+    ramp = [users_at(t, 512, up_s=100, hold_s=50, down_s=100) for t in (0, 50, 100, 149, 200, 250, 300)]
+    assert ramp == [0, 256, 512, 512, 256, 0, 0]
+
+
+def test_scale_windows_count_every_outcome_and_only_complete_answers_in_latency():
+    from benchmarks.scale import Outcome, windows
+
+    outcomes = [
+        Outcome(0.0, "complete", ttft_s=0.1, ended_s=2.0, tokens=100),
+        Outcome(1.0, "complete", ttft_s=0.3, ended_s=8.0, tokens=300),
+        Outcome(3.0, "429", ended_s=3.01),
+        Outcome(4.0, "error event engine_failed", ttft_s=0.2, ended_s=12.0, tokens=5),
+    ]
+    first, second = windows(outcomes, end_s=20, width_s=10)
+    assert (first["complete"], first["refused_429"], first["failed"]) == (2, 1, 0)
+    assert first["tokens_per_s"] == 40 and first["ttft_p50_ms"] == pytest.approx(200)
+    assert (second["complete"], second["failed"], second["tokens_per_s"], second["ttft_p50_ms"]) == (0, 1, 0, None)
+
+
+def test_a_replica_removed_within_a_downscale_delay_of_an_addition_is_flapping():
+    from benchmarks.scale import Sample, flapping
+
+    def at(t: float, running: int) -> Sample:
+        return Sample(t, users=0, in_flight=0, replicas={"RUNNING": running})
+
+    steady = [at(0, 1), at(10, 2), at(20, 3), at(100, 2), at(200, 1)]
+    assert flapping(steady, downscale_delay_s=60) == []
+    assert flapping([at(0, 1), at(10, 2), at(30, 1)], downscale_delay_s=60) == [(10, 30)]
