@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,22 @@ def carries_tokens(event: dict[str, Any]) -> bool:
     return False
 
 
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of an SSE body, as they arrive.
+
+    Events end with a blank line; splitting on it, not on line breaks, keeps a payload whole
+    when its text holds U+2028 or other characters that ``str.splitlines`` (and so httpx's
+    ``aiter_lines``) takes for line ends, which JSON leaves unescaped and noise text holds.
+    """
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *events, pending = pending.split("\n\n")
+        for event in events:
+            if event.startswith("data: "):
+                yield event[len("data: ") :]
+
+
 async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
     started = time.perf_counter()
     record = RequestRecord(ok=False)
@@ -66,11 +83,8 @@ async def stream_once(client: httpx.AsyncClient, workload: Workload) -> RequestR
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"{response.status_code}: {body[:120]}"
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
+            async for payload in sse_payloads(response):
                 now = time.perf_counter()
-                payload = line[len("data: ") :]
                 if payload == "[DONE]":
                     record.e2e_s = now - started
                     record.ok = record.ttft_s is not None

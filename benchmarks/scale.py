@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.client import carries_tokens
+from benchmarks.client import carries_tokens, sse_payloads
 
 
 @dataclass
@@ -103,10 +103,10 @@ class Run:
                     await response.aread()
                     outcome.status = str(response.status_code)
                     return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                async for payload in sse_payloads(response):
+                    if payload == "[DONE]":
                         continue
-                    event = json.loads(line[len("data: ") :])
+                    event = json.loads(payload)
                     if "error" in event:
                         outcome.status = f"error event {event['error'].get('code')}"
                         return

@@ -253,3 +253,20 @@ def test_a_replica_removed_within_a_downscale_delay_of_an_addition_is_flapping()
     steady = [at(0, 1), at(10, 2), at(20, 3), at(100, 2), at(200, 1)]
     assert flapping(steady, downscale_delay_s=60) == []
     assert flapping([at(0, 1), at(10, 2), at(30, 1)], downscale_delay_s=60) == [(10, 30)]
+
+
+async def test_sse_payloads_stay_whole_across_pieces_and_unicode_line_separators():
+    import httpx
+
+    from benchmarks.client import sse_payloads
+
+    events = ['{"text": "a\u2028b\\rc"}', '{"text": "\u0085"}', "[DONE]"]
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]  # cut anywhere, mid-character too
+
+    async def stream():
+        for piece in pieces:
+            yield piece
+
+    response = httpx.Response(200, content=stream())
+    assert [p async for p in sse_payloads(response)] == events
