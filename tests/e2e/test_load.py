@@ -106,9 +106,12 @@ async def test_chunks_carry_more_tokens_while_the_engine_is_busy(app, one_replic
     k = max(sizes)
     assert 2 <= k <= batching.max_tokens_per_chunk and sizes[0] == 1, sizes
     assert set(sizes[1:-1]) == {k} and sizes[-1] <= k, sizes
-    # The client's own stream_interval=1 wins: token by token, not k at a time. (With 16 other
-    # streams on 2 busy cores, vLLM may merge two or three tokens its consumer had not taken yet.)
-    assert len(own) > len(sizes) and own.count(1) >= 0.5 * len(own), own
+    # The client's own stream_interval=1 wins: token by token, not k at a time. With 16 other
+    # streams on 2 busy cores, vLLM merges whatever tokens its consumer had not taken yet (2 to 4
+    # at once, seen), so the stream is not all single tokens; but k at a time would make every
+    # chunk between the first and the last exactly k, and here most are not.
+    middle = own[1:-1]
+    assert len(own) > len(sizes) and sum(size != k for size in middle) > 0.5 * len(middle), own
     print(f"alone: {len(alone)} chunks; beside {held} requests: {len(sizes)} chunks ({k} tokens each)")
 
 
