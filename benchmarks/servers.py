@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app.simulated_engine.core import FINGERPRINT as SIMULATED_FINGERPRINT
+from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
 
 START_TIMEOUT_S = 600
 

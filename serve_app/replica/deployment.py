@@ -43,8 +43,7 @@ from serve_app.replica.stream_transforms import (
     end_on_error_event,
     normalize_error_event,
 )
-from serve_app.simulated_engine.core import FINGERPRINT as SIMULATED_FINGERPRINT
-from serve_app.simulated_engine.core import simulated_async_llm
+from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,6 +67,7 @@ class ModelServer:
 
         from serve_app.glm4 import serving as glm4_serving
         from serve_app.glm4.format import check_dtype
+        from serve_app.simulated_engine.core import simulated_async_llm
 
         self.model_name = model.name
         self.stream_batching = model.stream_batching

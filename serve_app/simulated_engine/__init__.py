@@ -16,3 +16,6 @@ vLLM's metrics, and all of this app. Only token generation is replaced.
 - :mod:`~serve_app.simulated_engine.core`: the engine-core client ``AsyncLLM``
   talks to: one timer per step, vLLM's output types.
 """
+
+# Every response's system_fingerprint: a simulated answer is never taken for the model's.
+FINGERPRINT = "simulated-glm-4-9b-chat-h100"

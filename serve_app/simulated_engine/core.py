@@ -10,6 +10,9 @@ step, whatever the number of sequences, and no thread.
 Steps run back to back on the simulated clock while there is work, so a slow
 event loop delays when outputs are read, as a busy API server does, but not
 what the GPU would have produced by then.
+
+vLLM's types are imported here, once, not per step or per token: this module is
+loaded only where an engine runs (a model replica, a benchmark), never by the ingress.
 """
 
 from __future__ import annotations
@@ -21,13 +24,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from vllm.v1.engine import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+)
+from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
+from vllm.v1.outputs import LogprobsLists
+
 from serve_app import vllm_internals
 from serve_app.config import SimulatedEngineConfig
 from serve_app.simulated_engine.batch import ContinuousBatch, Emitted, Finish, SimSequence
 from serve_app.simulated_engine.timing import GpuTiming
 
-# Every response's system_fingerprint: a simulated answer is never taken for the model's.
-FINGERPRINT = "simulated-glm-4-9b-chat-h100"
 # Alternatives reported per token when a request asks logprobs (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
@@ -107,8 +119,6 @@ class SimulatedEngineCore:
 
     async def get_output_async(self) -> Any:
         """The outputs of the next engine step, once its simulated time has passed."""
-        from vllm.v1.engine import EngineCoreOutputs
-
         loop = asyncio.get_running_loop()
         while True:
             if not self.batch.running:  # idle until now: the next step starts now
@@ -128,8 +138,6 @@ class SimulatedEngineCore:
             )
 
     def _scheduler_stats(self) -> Any:
-        from vllm.v1.metrics.stats import SchedulerStats
-
         return SchedulerStats(
             num_running_reqs=len(self.batch.running),
             num_waiting_reqs=len(self.batch.waiting),
@@ -154,9 +162,6 @@ class SimulatedEngineCore:
 
 
 def _engine_core_output(emitted: Emitted, vocabulary: Sequence[int]) -> Any:
-    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason
-    from vllm.v1.metrics.stats import PrefillStats
-
     sequence = emitted.sequence
     events = None
     if sequence.events:
@@ -190,9 +195,6 @@ def _alternatives(logprobs: int | None) -> int | None:
 def _logprobs(token: int, alternatives: int, vocabulary: Sequence[int]) -> Any:
     """The token's log-probability under the simulator's uniform draw, and ``alternatives`` other
     tokens of the vocabulary, all equally likely, in the shape vLLM's sampler reports."""
-    import numpy as np
-    from vllm.v1.outputs import LogprobsLists
-
     others = [t for t in vocabulary[: alternatives + 1] if t != token][:alternatives]
     ids = np.array([[token, *others]], dtype=np.int32)
     logprobs = np.full(ids.shape, -math.log(len(vocabulary)), dtype=np.float32)
