@@ -77,6 +77,21 @@ async def single_replica(handle: Any) -> float:
     return await wait_until(lambda: serving_alone(handle), timeout_s=SETTLE_S, what="at one running, live replica")
 
 
+async def a_busy_replica(handle, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
+    """The actor id of one of ``replicas`` whose engine holds at least ``held`` requests.
+
+    Serve's router may leave one replica idle for a while (its queue-length probes time
+    out on busy cores); killing an idle engine would prove nothing about held requests.
+    """
+    start = time.monotonic()
+    while True:
+        replica, holds = await handle.engine_load.remote()
+        if replica in replicas and holds >= held:
+            return replica
+        assert time.monotonic() - start < within_s, f"no replica seen holding {held} requests in {within_s:.0f} s"
+        await asyncio.sleep(0.2)  # poll interval of the condition above
+
+
 def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
     """The vLLM engine-core processes of each live replica of the deployment, by replica actor id.
 

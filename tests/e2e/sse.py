@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,9 +14,6 @@ class Stream:
     status: int
     headers: httpx.Headers
     events: list[str] = field(default_factory=list)  # raw `data:` payloads, in order
-    # When this stream's first and last bytes of body arrived, as places in RECEIVED's order.
-    first_received: int | None = None
-    last_received: int | None = None
 
     @property
     def done(self) -> bool:
@@ -39,19 +35,11 @@ def parse_events(text: str) -> list[str]:
     return payloads
 
 
-RECEIVED = itertools.count()  # numbers every piece of body any stream of this process receives
-
-
 async def post_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Stream:
-    """POST and read the whole stream, noting when its first and last pieces arrived (see RECEIVED)."""
+    """POST and read the whole stream."""
     async with client.stream("POST", path, json=body) as response:
         stream = Stream(response.status_code, response.headers)
-        pieces = []
-        async for piece in response.aiter_bytes():
-            stream.last_received = next(RECEIVED)
-            if stream.first_received is None:
-                stream.first_received = stream.last_received
-            pieces.append(piece)
+        body_bytes = await response.aread()
         if response.status_code == 200:
-            stream.events = parse_events(b"".join(pieces).decode())
+            stream.events = parse_events(body_bytes.decode())
         return stream

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 import uuid
 
 import httpx
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from tests.e2e.serve_state import (
+    a_busy_replica,
     death_reason,
     replica_engines,
     request_log_lines,
@@ -67,21 +67,6 @@ def chat(model: str, tokens: int, **extra) -> dict:
         "max_tokens": tokens,
         "min_tokens": tokens,
     } | extra
-
-
-async def a_busy_replica(handle, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
-    """The actor id of one of ``replicas`` whose engine holds at least ``held`` requests.
-
-    Serve's router may leave one replica idle for a while (its queue-length probes time
-    out on busy cores); killing an idle engine would prove nothing about held requests.
-    """
-    start = time.monotonic()
-    while True:
-        replica, holds = await handle.engine_load.remote()
-        if replica in replicas and holds >= held:
-            return replica
-        assert time.monotonic() - start < within_s, f"no replica seen holding {held} requests in {within_s:.0f} s"
-        await asyncio.sleep(0.2)  # poll interval of the condition above
 
 
 async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(app, one_replica):

@@ -7,7 +7,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from serve_app.observability import metrics
-from tests.e2e.serve_state import death_reason, replica_engines
+from tests.e2e.serve_state import a_busy_replica, death_reason, replica_engines
 from tests.e2e.serve_state import wait_until as serve_wait_until
 from tests.e2e.telemetry import scrape, total, wait_until
 
@@ -51,7 +51,7 @@ class Stream:
         return json.loads(self.events[-1]).get("error") if self.events and not self.complete else None
 
 
-async def streams_through(app, hit: Callable[[], None]) -> list[Stream]:
+async def streams_through(app, hit: Callable[[], Awaitable[None]]) -> list[Stream]:
     """Start STREAMS long streams; call ``hit`` once the first is under way; each stream as it ended."""
     first_chunk = asyncio.Event()
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
@@ -70,7 +70,7 @@ async def streams_through(app, hit: Callable[[], None]) -> list[Stream]:
         tasks = [asyncio.create_task(stream()) for _ in range(STREAMS)]
         # As soon as one stream is under way: on 2 shared cores the others may not have begun yet.
         await asyncio.wait_for(first_chunk.wait(), timeout=120)
-        hit()
+        await hit()
         return await asyncio.gather(*tasks)
 
 
@@ -94,10 +94,17 @@ def engine_failures(metrics_url: str) -> float:
 async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, one_replica, metrics_url):
     counted_before = await asyncio.to_thread(engine_failures, metrics_url)
     # Found first: the lookup is slow.
-    by_replica = await asyncio.to_thread(replica_engines, one_replica)
-    engines = [p for found in by_replica.values() for p in found]
+    ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
     assert engines, "no engine process found"
-    streams = await streams_through(app, lambda: [engine.send_signal(signal.SIGKILL) for engine in engines])
+
+    async def kill() -> None:
+        """Kill the engine once its replica reports holding requests (proof they reached it)."""
+        assert await a_busy_replica(one_replica, {replica}, held=1, within_s=30) == replica
+        for engine in engines:
+            engine.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(lambda: [engine.wait(timeout=30) for engine in engines])
+
+    streams = await streams_through(app, kill)
 
     # Each stream had finished in full before the kill, or was cut and says so (a final
     # error event), or was in the engine before its first token and got one explicit error
@@ -127,7 +134,6 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
     # The replica ended its own process (serve_app.replica.engine_watch): Ray records its worker
     # as died, where a replica Serve stopped after failed health checks is killed (RAY_KILL).
-    (replica,) = by_replica
     assert await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"
 
 
@@ -142,7 +148,7 @@ async def test_a_hung_engine_is_detected_its_streams_get_errors_and_a_new_replic
     ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
     frozen_at: list[float] = []
 
-    def freeze() -> None:
+    async def freeze() -> None:
         frozen_at.append(time.monotonic())
         for engine in engines:
             engine.send_signal(signal.SIGSTOP)
