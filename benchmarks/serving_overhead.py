@@ -51,6 +51,8 @@ def process_role(process: psutil.Process) -> str:
         return "ingress replica" if ":Ingress" in command else "model replica"
     if "ProxyActor" in command:
         return "Serve proxy"
+    if "haproxy" in process.name():  # RAY_SERVE_ENABLE_HA_PROXY: Serve's HAProxy in place of the proxy's HTTP
+        return "HAProxy"
     if "ServeController" in command:
         return "Serve controller"
     return "Ray daemons and CLI"
