@@ -23,7 +23,6 @@ import httpx
 import yaml
 
 from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
-from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 600
 
@@ -105,8 +104,7 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(pinned, sort_keys=False))
     serve = Path(sys.executable).with_name("serve")
-    argv = [str(serve), "run", str(path)]  # a local Ray cluster, started with Serve's cluster settings
-    return ServerCommand("this app", argv, cluster_env(), cwd, f"http://127.0.0.1:{port}", "/health")
+    return ServerCommand("this app", [str(serve), "run", str(path)], {}, cwd, f"http://127.0.0.1:{port}", "/health")
 
 
 def pin_one_replica(entry: dict[str, Any]) -> dict[str, Any]:
