@@ -115,7 +115,7 @@ async def test_an_engine_that_holds_requests_and_produces_nothing_is_taken_as_hu
         stall_timeout_s=0.2,
     )
     watch.progress.last_output_at = time.monotonic() - 0.1
-    task = asyncio.create_task(watch.watch(poll_s=0.02, drain_s=0.1))
+    task = asyncio.create_task(watch.watch(poll_s=0.02, drain_s=0.1, deliver_s=0.1))
     await asyncio.wait_for(left.wait(), timeout=2)
     await task
     assert watch.stalled and watch.failed and failed == [True]
