@@ -77,7 +77,7 @@ async def single_replica(handle: Any) -> float:
     return await wait_until(lambda: serving_alone(handle), timeout_s=SETTLE_S, what="at one running, live replica")
 
 
-async def a_busy_replica(handle, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
+async def a_busy_replica(handle: Any, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
     """The actor id of one of ``replicas`` whose engine holds at least ``held`` requests.
 
     Serve's router may leave one replica idle for a while (its queue-length probes time

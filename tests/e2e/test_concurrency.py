@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import scrape, settled, total, wait_until
+from tests.e2e.telemetry import Samples, scrape, settled, total, wait_until
 
 CONCURRENCY = 64
 MAX_TOKENS = 32
@@ -72,7 +72,7 @@ async def test_concurrent_streams_each_deliver_every_token(app, client, metrics_
     served_together(metrics_url, before, prompt_tokens=streams[0].chunks[-1]["usage"]["prompt_tokens"])
 
 
-def served_together(metrics_url: str, before, prompt_tokens: int) -> None:
+def served_together(metrics_url: str, before: Samples, prompt_tokens: int) -> None:
     """The engine made a step of more tokens than one request's prompt plus one since ``before``.
 
     Only several requests sharing a step make one: a server running one request at a
@@ -86,7 +86,7 @@ def served_together(metrics_url: str, before, prompt_tokens: int) -> None:
     )
 
 
-def steps_over(samples, tokens: int) -> float:
+def steps_over(samples: Samples, tokens: int) -> float:
     """Engine steps (vLLM's iteration_tokens histogram) that computed more than ``tokens`` tokens."""
     return total(samples, f"{ITERATION_TOKENS}_count") - total(samples, f"{ITERATION_TOKENS}_bucket", le=f"{tokens}.0")
 
