@@ -8,9 +8,11 @@ back to a single running replica; ``single_replica`` is that wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,20 @@ async def a_busy_replica(handle: Any, replicas: set[str], held: int = 8, within_
         await asyncio.sleep(0.2)  # poll interval of the condition above
 
 
+def ongoing_at(actor_id: str) -> int:
+    """Requests one replica is answering, asked of its Ray actor directly.
+
+    This is Serve's own queue-length probe (``get_num_ongoing_requests``, what its
+    routers ask each replica): unlike a call through a handle, it cannot be routed
+    to another replica. Blocking: call it through ``asyncio.to_thread``.
+    """
+    import ray
+
+    (actor,) = list_actors(filters=[("actor_id", "=", actor_id)])
+    replica = ray.get_actor(actor.name, namespace=actor.ray_namespace)
+    return ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)
+
+
 def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
     """The vLLM engine-core processes of each live replica of the deployment, by replica actor id.
 
@@ -107,6 +123,22 @@ def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
         ]
         for replica in replicas
     }
+
+
+@contextlib.contextmanager
+def stopped(processes: list[psutil.Process]) -> Iterator[None]:
+    """Freeze ``processes`` (SIGSTOP) for the block and continue them (SIGCONT) after, whatever happens.
+
+    A frozen engine core takes requests (its client queues them) and produces nothing,
+    so what it holds cannot finish while a test sets up what it measures.
+    """
+    for process in processes:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGCONT)
 
 
 def death_reason(actor_id: str) -> str | None:

@@ -98,8 +98,13 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
     assert engines, "no engine process found"
 
     async def kill() -> None:
-        """Kill the engine once its replica reports holding requests (proof they reached it)."""
-        assert await a_busy_replica(one_replica, {replica}, held=1, within_s=30) == replica
+        """Kill the engine once its replica reports holding requests (proof they reached it).
+
+        Frozen first (SIGSTOP): what it holds when its replica says so cannot finish before the kill.
+        """
+        for engine in engines:
+            engine.send_signal(signal.SIGSTOP)
+        assert await a_busy_replica(one_replica, {replica}, held=1, within_s=15) == replica
         for engine in engines:
             engine.send_signal(signal.SIGKILL)
         await asyncio.to_thread(lambda: [engine.wait(timeout=30) for engine in engines])
