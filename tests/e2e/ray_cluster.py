@@ -40,6 +40,7 @@ class RayCluster:
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    agent_port: int = field(default_factory=free_port)  # the dashboard agent's HTTP port (KubeRay probes it)
     process: subprocess.Popen | None = None
 
     @property
@@ -90,7 +91,7 @@ class RayCluster:
                 "--ray-client-server-port",
                 str(free_port()),
                 "--dashboard-agent-listen-port",
-                str(free_port()),
+                str(self.agent_port),
             ],
             env=os.environ | self.env,
             stdout=log,
