@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
 STAMP := $(VENV)/.installed
+# The Kubernetes security scanner (pyproject.toml's `scan` group), in an environment of its own.
+SCAN_VENV := .venv-scan
+SCAN_STAMP := $(SCAN_VENV)/.installed
 # The serve config `make serve` runs: the CPU engine by default; deploy/config.sim.yaml
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
@@ -19,6 +22,12 @@ $(STAMP): pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break transformers' GLM import.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+$(SCAN_STAMP): pyproject.toml
+	test -x $(SCAN_VENV)/bin/python || $(PYTHON) -m venv $(SCAN_VENV)
+	$(SCAN_VENV)/bin/pip install --quiet --upgrade pip
+	$(SCAN_VENV)/bin/pip install --quiet --group scan
+	touch $(SCAN_STAMP)
 
 tiny-model: $(TINY_MODEL)/tiny_model.json
 
@@ -37,7 +46,7 @@ serve: install tiny-model
 	$(BIN)/python -m tools.ready_line $(CONFIG) & \
 	$(BIN)/serve run --address auto $(CONFIG)
 
-test: install tiny-model
+test: install tiny-model $(SCAN_STAMP)
 	$(BIN)/python -m pytest -v --durations=15
 
 lint: install
@@ -45,7 +54,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: install
+unit: install $(SCAN_STAMP)
 	$(BIN)/python -m pytest -v -m "not e2e"
 
 e2e: install tiny-model
@@ -60,4 +69,4 @@ k8s-sync:
 	python3 k8s/sync_serve_config.py
 
 clean:
-	rm -rf $(VENV) $(TINY_MODEL)
+	rm -rf $(VENV) $(SCAN_VENV) $(TINY_MODEL)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,3 +201,25 @@ def test_the_autoscaler_reads_its_token_where_the_mount_puts_it():
 def test_the_docs_say_how_to_reach_the_dashboard_with_the_token():
     text = (ROOT / "docs/kubernetes.md").read_text()
     assert "authOptions" in text and "auth_token" in text and "RAY_AUTH_TOKEN" in text
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_the_hub_token_and_the_weights_reach_only_the_gpu_workers(name):
+    """The head runs no replica: no model cache and no Hugging Face token there. On the workers
+    the token is a file of an optional Secret (HF_TOKEN_PATH), never an environment variable."""
+    (rayservice,) = rayservices(name)
+    head, *workers = pod_templates(rayservice)
+    for template in pod_templates(rayservice):
+        for container in template["spec"]["containers"]:
+            assert all("secretKeyRef" not in e.get("valueFrom", {}) for e in container.get("env", [])), container
+    head_volumes = head["spec"].get("volumes", [])
+    assert not [v for v in head_volumes if "persistentVolumeClaim" in v or "secret" in v]
+    for worker in workers:
+        spec = worker["spec"]
+        (container,) = spec["containers"]
+        token_file = Path({e["name"]: e.get("value") for e in container["env"]}["HF_TOKEN_PATH"])
+        (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == token_file.parent]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert mount["readOnly"] is True
+        assert volume["secret"]["secretName"] == "glm4-serve-hf-token" and volume["secret"]["optional"] is True
+        assert volume["secret"]["defaultMode"] & 0o007 == 0

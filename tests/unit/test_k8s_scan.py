@@ -1,0 +1,96 @@
+"""A security scanner over the Kubernetes manifests: checkov, on the base and every overlay as rendered.
+
+checkov does not look inside a custom resource, so each RayService's head and worker pod
+templates are written out as Pods, which is what KubeRay makes of them; the other objects
+(NetworkPolicy, PodDisruptionBudget, PVC) are scanned as they are. No check may fail except
+those in k8s/checkov-accepted.yaml, each with a one-line reason, and every entry there must
+still fail somewhere (an entry that no longer fails is removed, not kept "just in case").
+checkov runs from its own environment (.venv-scan, made by `make test`), offline.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.unit.k8s_manifests import K8S, OVERLAYS, ROOT, kubectl, pod_templates
+
+CHECKOV = ROOT / ".venv-scan" / "bin" / "checkov"
+ACCEPTED = K8S / "checkov-accepted.yaml"
+SCANNED = {"base": K8S / "base", **{overlay: K8S / "overlays" / overlay for overlay in OVERLAYS}}
+
+
+def as_scanned(documents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects checkov reads: each RayService's pod templates as Pods, the rest unchanged."""
+    scanned = []
+    for document in documents:
+        if document["kind"] != "RayService":
+            scanned.append(document)
+            continue
+        for index, template in enumerate(pod_templates(document)):
+            name = f"{document['metadata']['name']}-{'head' if index == 0 else f'worker-{index}'}"
+            metadata = template.get("metadata", {}) | {"name": name, "namespace": document["metadata"]["namespace"]}
+            scanned.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]})
+    return scanned
+
+
+@functools.cache
+def failed_checks(tmp: Path) -> dict[str, set[str]]:
+    """checkov's failed checks over every rendered set: check id -> ``set/resource`` names."""
+    for name, path in SCANNED.items():
+        out = subprocess.run([kubectl(), "kustomize", str(path)], check=True, capture_output=True, text=True).stdout
+        documents = [d for d in yaml.safe_load_all(out) if d]
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump_all(as_scanned(documents), sort_keys=False))
+    assert CHECKOV.exists(), f"{CHECKOV} not found: `make test` (or `make .venv-scan/.installed`) installs it"
+    scan = subprocess.run(
+        [str(CHECKOV), "--directory", str(tmp), "--framework", "kubernetes", "--skip-download", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert scan.returncode in (0, 1), scan.stderr[-2000:]  # 1: some check failed
+    reports = json.loads(scan.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    failed: dict[str, set[str]] = {}
+    for report in reports:
+        assert report["summary"]["passed"] > 0 and report["summary"]["parsing_errors"] == 0, report["summary"]
+        for check in report["results"]["failed_checks"]:
+            failed.setdefault(check["check_id"], set()).add(f"{Path(check['file_path']).stem}/{check['resource']}")
+    return failed
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory) -> dict[str, set[str]]:
+    return failed_checks(tmp_path_factory.mktemp("checkov"))
+
+
+def accepted() -> dict[str, str]:
+    return yaml.safe_load(ACCEPTED.read_text())
+
+
+def test_every_accepted_failure_says_why_in_one_line():
+    for check, reason in accepted().items():
+        assert check.startswith("CKV"), check
+        assert isinstance(reason, str) and reason.strip() and "\n" not in reason, check
+
+
+def test_no_check_fails_but_the_accepted_ones(failed):
+    unexpected = {check: sorted(where) for check, where in failed.items() if check not in accepted()}
+    assert unexpected == {}
+
+
+def test_every_accepted_failure_still_fails(failed):
+    """An accepted check that passes everywhere now is taken off the list."""
+    assert sorted(set(accepted()) - set(failed)) == []
+
+
+def test_the_scan_sees_every_rendered_set_and_both_pod_templates(failed):
+    """The probes' checks fail on every set's head and worker Pods: proof each was scanned."""
+    pods = ("head", "worker-1")
+    assert failed["CKV_K8S_8"] == {f"{name}/Pod.glm4-serve.glm4-serve-{pod}" for name in SCANNED for pod in pods}
