@@ -116,3 +116,76 @@ class RayCluster:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class RayNode:
+    """A worker node joined to a :class:`RayCluster` with ``ray start --address ... --block``.
+
+    Several can run on this machine next to the head: each gets its own free ports, no
+    CPUs of its own (the head's serve the app), and the custom ``resources`` that place a
+    test's actors on it. Stopping its one process stops exactly this node.
+    """
+
+    cluster: RayCluster
+    name: str
+    resources: dict[str, float]
+    process: subprocess.Popen | None = None
+
+    @property
+    def temp_dir(self) -> Path:
+        """This node's own Ray directory (sessions, logs), below the cluster's."""
+        return self.cluster.root / f"node-{self.name}"
+
+    def start(self) -> str:
+        """Start the node; return its Ray node id once the cluster sees it alive."""
+        import json
+
+        import ray
+
+        ray_cli = Path(sys.executable).with_name("ray")
+        log = (self.cluster.root / f"node-{self.name}.log").open("w")
+        self.process = subprocess.Popen(
+            [
+                str(ray_cli),
+                "start",
+                "--address",
+                self.cluster.address,
+                "--block",
+                "--disable-usage-stats",
+                "--temp-dir",
+                str(self.temp_dir),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--num-cpus",
+                "0",
+                "--resources",
+                json.dumps(self.resources),
+                "--metrics-export-port",
+                str(free_port()),
+                "--dashboard-agent-listen-port",
+                str(free_port()),
+            ],
+            env=os.environ | self.cluster.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            for node in ray.nodes():
+                if node["Alive"] and self.resources.items() <= node["Resources"].items():
+                    return node["NodeID"]
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start failed:\n{Path(log.name).read_text()[-3000:]}")
+            time.sleep(0.2)  # poll interval of the condition above
+
+    def stop(self) -> None:
+        """Stop this node (its raylet and workers), nothing else."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -24,6 +27,29 @@ from ray.util.state import list_actors
 # engine finishes loading (about a minute on 2 cores), the 60 s downscale delay,
 # then the extra replica drains.
 SETTLE_S = 300
+
+
+class DeploymentName:
+    """Names a deployment for the helpers here, as a handle would (``app_name``, ``deployment_name``)."""
+
+    def __init__(self, app_name: str, deployment_name: str) -> None:
+        self.app_name, self.deployment_name = app_name, deployment_name
+
+
+async def serve_deploy(config: Path, dashboard_url: str) -> None:
+    """``serve deploy`` the config to the running cluster, as an operator would."""
+    deploy = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("serve")),
+        "deploy",
+        str(config),
+        "--address",
+        dashboard_url,
+        env=os.environ | {"RAY_AUTH_MODE": "token"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    output, _ = await deploy.communicate()
+    assert deploy.returncode == 0, output.decode()
 
 
 async def deployment_status(handle: Any) -> Any:

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +25,14 @@ import pytest
 import ray
 import yaml
 
-from tests.e2e.serve_state import only_one_running, replica_states, running, wait_until
+from tests.e2e.serve_state import (
+    DeploymentName,
+    only_one_running,
+    replica_states,
+    running,
+    serve_deploy,
+    wait_until,
+)
 from tests.e2e.sse import post_stream
 
 pytestmark = pytest.mark.disruptive
@@ -54,22 +58,6 @@ def chat(model: str, tokens: int, **extra) -> dict:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-async def serve_deploy(config: Path, cluster: str) -> None:
-    """``serve deploy`` the config to the running cluster, as an operator would."""
-    deploy = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("serve")),
-        "deploy",
-        str(config),
-        "--address",
-        cluster,
-        env=os.environ | {"RAY_AUTH_MODE": "token"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    output, _ = await deploy.communicate()
-    assert deploy.returncode == 0, output.decode()
 
 
 async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(app, one_replica, cluster, tmp_path):
@@ -195,20 +183,13 @@ async def test_two_ingress_replicas_together_enforce_each_keys_rate_limits(app, 
     limited = app.config_path.with_name("with-rate-limits.yaml")
     limited.write_text(yaml.safe_dump(config, sort_keys=False))
     await serve_deploy(limited, cluster)
-    ingress_replicas = _Deployment(one_replica.app_name, "Ingress")
+    ingress_replicas = DeploymentName(one_replica.app_name, "Ingress")
     await wait_until(lambda: _accepts(app.url, LIMITED[0]), timeout_s=300, what="accepting the new keys")
     await wait_until(lambda: running(ingress_replicas, 2), timeout_s=300, what="running two ingress replicas")
     await wait_until(lambda: only_one_running(one_replica), timeout_s=300, what="settled at one model replica")
 
     await _check_requests_per_minute(app)
     await _check_tokens_per_minute(app)
-
-
-class _Deployment:
-    """Names a deployment for serve_state's helpers, as a handle would."""
-
-    def __init__(self, app_name: str, deployment_name: str) -> None:
-        self.app_name, self.deployment_name = app_name, deployment_name
 
 
 async def _check_requests_per_minute(app) -> None:

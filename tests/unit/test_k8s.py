@@ -187,3 +187,20 @@ def test_overlays_size_the_gpu_group_differently():
     assert bounds("single-gpu") == (1, 1)
     low, high = bounds("production")
     assert low >= 2 and high == 8  # deploy/config.yaml's max_replicas: one GPU pod per replica
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_gpu_workers_drain_their_node_before_they_stop(name):
+    """The preStop hook drains the node within the grace period, leaving each replica its
+    whole graceful_shutdown_timeout_s before the drain's deadline (Serve stops a replica it
+    cannot move at the deadline minus that timeout)."""
+    (rayservice,) = rayservices(name)
+    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (model,) = serve["applications"][0]["args"]["models"]
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "serve_app.node_drain"]
+        grace_s = int(command[command.index("--grace-s") + 1])
+        assert model["deployment"]["graceful_shutdown_timeout_s"] < grace_s < spec["terminationGracePeriodSeconds"]
