@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -51,6 +52,27 @@ def split_engine_args(engine_args: dict[str, Any]) -> tuple[dict[str, Any], dict
     engine = {k: v for k, v in engine_args.items() if k in engine_names}
     frontend = {k: v for k, v in engine_args.items() if k in frontend_names and k not in engine}
     return engine, frontend
+
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def check_remote_code_is_pinned(engine_args: dict[str, Any]) -> None:
+    """With ``trust_remote_code``, the checkpoint's own code runs in every replica: it must come
+    from a commit, not a branch or tag (or the default branch), which can change under a running
+    deployment so that the next replica to start runs other code. A local directory is exempt:
+    what was deployed is what runs."""
+    if not engine_args.get("trust_remote_code") or Path(str(engine_args["model"])).is_dir():
+        return
+    revisions = {name: engine_args.get(name) for name in ("revision", "code_revision", "tokenizer_revision")}
+    revisions["revision"] = revisions["revision"] or ""
+    loose = [name for name, value in revisions.items() if value is not None and not _COMMIT_RE.match(str(value))]
+    if loose:
+        raise ValueError(
+            "trust_remote_code runs the checkpoint's code in every replica: pin "
+            + ", ".join(loose)
+            + " to a commit (40 hexadecimal characters), not a branch or tag"
+        )
 
 
 def validate_deployment_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +239,7 @@ class ModelConfig(_Strict):
         if "served_model_name" in value:
             raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
         check_dtype(value.get("dtype", "auto"))
+        check_remote_code_is_pinned(value)
         return value
 
     @field_validator("deployment")

@@ -225,3 +225,36 @@ def test_every_shipped_config_caps_serves_router_retry_backoff(config_file):
     slots empty: docs/performance.md); Serve reads it in the ingress replica's router."""
     app = yaml.safe_load((DEPLOY / config_file).read_text())["applications"][0]
     assert app["runtime_env"]["env_vars"]["RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S"] == "0.05"
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.mark.parametrize(
+    ("pins", "loose"),
+    [
+        ({}, "revision"),
+        ({"revision": "main"}, "revision"),
+        ({"revision": "v1.0"}, "revision"),
+        ({"revision": COMMIT[:12]}, "revision"),  # a short sha can become ambiguous
+        ({"revision": COMMIT, "code_revision": "main"}, "code_revision"),
+        ({"revision": COMMIT, "tokenizer_revision": "dev"}, "tokenizer_revision"),
+    ],
+)
+def test_remote_code_from_a_branch_or_tag_is_refused(pins, loose):
+    args = minimal(engine_args={"model": "THUDM/glm-4-9b-chat", "max_num_seqs": 8, "trust_remote_code": True} | pins)
+    with pytest.raises(ConfigError, match=rf"engine_args: .*pin {loose} to a commit"):
+        parse_app_config(args)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"model": "THUDM/glm-4-9b-chat", "trust_remote_code": True, "revision": COMMIT},
+        {"model": "THUDM/glm-4-9b-chat", "trust_remote_code": True, "revision": COMMIT, "code_revision": COMMIT},
+        {"model": "THUDM/glm-4-9b-chat-hf", "revision": "main"},  # no remote code: nothing of the repo runs
+        {"model": str(DEPLOY), "trust_remote_code": True},  # a local directory: what was deployed runs
+    ],
+)
+def test_remote_code_from_a_commit_or_a_local_directory_is_accepted(engine_args):
+    parse_app_config(minimal(engine_args=engine_args | {"max_num_seqs": 8}))
