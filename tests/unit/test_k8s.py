@@ -204,3 +204,19 @@ def test_gpu_workers_drain_their_node_before_they_stop(name):
         assert command[:3] == ["python", "-m", "serve_app.node_drain"]
         grace_s = int(command[command.index("--grace-s") + 1])
         assert model["deployment"]["graceful_shutdown_timeout_s"] < grace_s < spec["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_no_single_node_or_head_carries_every_stream(name):
+    """Client traffic skips the head's proxy; GPU pods spread over nodes and zones, per cluster."""
+    (rayservice,) = rayservices(name)
+    assert rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        template = group["template"]
+        spread = {c["topologyKey"]: c for c in template["spec"]["topologySpreadConstraints"]}
+        assert set(spread) == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+        for constraint in spread.values():
+            assert constraint["maxSkew"] == 1 and constraint["matchLabelKeys"] == ["ray.io/cluster"]
+            wanted = dict(constraint["labelSelector"]["matchLabels"])
+            assert wanted.pop("ray.io/node-type") == "worker"  # KubeRay's own label
+            assert wanted.items() <= template["metadata"]["labels"].items()
