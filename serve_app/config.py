@@ -64,9 +64,11 @@ def check_remote_code_is_pinned(engine_args: dict[str, Any]) -> None:
     what was deployed is what runs."""
     if not engine_args.get("trust_remote_code") or Path(str(engine_args["model"])).is_dir():
         return
-    revisions = {name: engine_args.get(name) for name in ("revision", "code_revision", "tokenizer_revision")}
-    revisions["revision"] = revisions["revision"] or ""
-    loose = [name for name, value in revisions.items() if value is not None and not _COMMIT_RE.match(str(value))]
+    # revision is required; code_revision and tokenizer_revision default to it.
+    pins = {"revision": engine_args.get("revision")} | {
+        name: engine_args[name] for name in ("code_revision", "tokenizer_revision") if engine_args.get(name) is not None
+    }
+    loose = [name for name, value in pins.items() if not _COMMIT_RE.match(str(value))]
     if loose:
         raise ValueError(
             "trust_remote_code runs the checkpoint's code in every replica: pin "

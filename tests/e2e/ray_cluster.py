@@ -31,6 +31,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_blocking_ray(process: subprocess.Popen | None) -> None:
+    """Stop a ``ray start --block`` process, and with it exactly its node; kill its group if it lingers."""
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
 @dataclass
 class RayCluster:
     """A one-node Ray cluster started with ``ray start --head --block``."""
@@ -108,13 +119,7 @@ class RayCluster:
 
     def stop(self) -> None:
         """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+        stop_blocking_ray(self.process)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -182,10 +187,4 @@ class RayNode:
 
     def stop(self) -> None:
         """Stop this node (its raylet and workers), nothing else."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+        stop_blocking_ray(self.process)
