@@ -1,6 +1,6 @@
 # GPU image: Ray 2.60 on Python 3.11 with CUDA, this project and the CUDA build of vLLM.
 # The same image serves as RayService head and GPU worker on Kubernetes, or alone:
-#   docker run --gpus all -p 8000:8000 -v hf-cache:/models IMAGE serve run deploy/config.yaml
+#   docker run --gpus all -p 8000:8000 -v hf-cache:/models IMAGE serve run deploy/config.single-gpu.yaml
 # (It cannot be built on the CPU-only development machines of this project.)
 FROM rayproject/ray:2.60.0-py311-gpu
 
@@ -25,4 +25,4 @@ VOLUME ["/models"]
 
 # 8000: Serve HTTP; 8265: Ray dashboard; 6379: Ray GCS; 8080: Prometheus metrics.
 EXPOSE 8000 8265 6379 8080
-CMD ["serve", "run", "deploy/config.yaml"]
+CMD ["serve", "run", "deploy/config.single-gpu.yaml"]

@@ -64,9 +64,9 @@ e2e: install tiny-model
 bench: install
 	$(BIN)/python -m benchmarks.load --model glm-4-9b-chat --concurrency 1 16 64 --out bench.json --plot bench.png
 
-# Copy deploy/config.yaml into the RayService's serveConfigV2 (a test fails while they differ).
-k8s-sync:
-	python3 k8s/sync_serve_config.py
+# Write deploy/config.single-gpu.yaml and copy the serve configs into the manifests (a test fails while stale).
+k8s-sync: install
+	$(BIN)/python k8s/sync_serve_config.py
 
 clean:
 	rm -rf $(VENV) $(SCAN_VENV) $(TINY_MODEL)

@@ -1,22 +1,38 @@
-"""Copy deploy/config.yaml into the RayService's serveConfigV2, verbatim.
+"""Write the serve configs derived from deploy/config.yaml, and copy them into the manifests.
 
-The serve config has one source of truth, deploy/config.yaml; the RayService carries a
-copy because KubeRay reads serveConfigV2 as a string inside the manifest. Run
-`make k8s-sync` after editing the serve config; tests/unit/test_k8s.py fails while the
-copy differs.
+The serve config has one source of truth, deploy/config.yaml (production, two GPUs or more).
+From it this writes:
 
-    python k8s/sync_serve_config.py          # rewrite the block in place
-    python k8s/sync_serve_config.py --check  # exit 1 if it is out of date
+- deploy/config.single-gpu.yaml: deploy/config.yaml with the JSON-patch operations of
+  deploy/config.single-gpu.patch.yaml applied (one replica, no surge), for `serve run` on one
+  GPU and the single-gpu overlay;
+- the RayService's serveConfigV2 in k8s/base/rayservice.yaml: deploy/config.yaml verbatim
+  (KubeRay reads the serve config as a string inside the manifest);
+- k8s/overlays/single-gpu/serve-config.yaml: a patch giving that overlay
+  deploy/config.single-gpu.yaml as its serveConfigV2.
+
+Run `make k8s-sync` after editing deploy/config.yaml or a patch; tests/unit/test_k8s.py
+fails while anything written here is out of date.
+
+    python k8s/sync_serve_config.py          # rewrite in place
+    python k8s/sync_serve_config.py --check  # exit 1 if something is out of date
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
 RAYSERVICE = ROOT / "k8s" / "base" / "rayservice.yaml"
+SINGLE_GPU_PATCH = ROOT / "deploy" / "config.single-gpu.patch.yaml"
+SINGLE_GPU_CONFIG = ROOT / "deploy" / "config.single-gpu.yaml"
+SINGLE_GPU_OVERLAY_PATCH = ROOT / "k8s" / "overlays" / "single-gpu" / "serve-config.yaml"
 KEY = "serveConfigV2: |"
 
 
@@ -37,15 +53,71 @@ def with_serve_config(manifest: str, serve_config: str) -> str:
     return "".join(lines[: start + 1] + block + lines[end:])
 
 
+def patched(document: Any, operations: list[dict[str, Any]]) -> Any:
+    """``document`` with JSON-patch (RFC 6902) ``replace``, ``add`` and ``remove`` operations applied.
+
+    Paths are JSON pointers (``/applications/0/args/...``), as in kustomize's patches. A path
+    that does not lead anywhere is an error: a patch never silently stops applying.
+    """
+    result = copy.deepcopy(document)
+    for operation in operations:
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        target = result
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        key: int | str = int(last) if isinstance(target, list) else last
+        op = operation["op"]
+        if op in ("replace", "remove") and (key not in target if isinstance(target, dict) else key >= len(target)):
+            raise KeyError(f"{operation['path']}: nothing there to {op}")
+        if op == "remove":
+            del target[key]
+        elif op in ("replace", "add"):
+            target[key] = operation["value"]
+        else:
+            raise ValueError(f"{operation['path']}: unsupported operation {op!r}")
+    return result
+
+
+def single_gpu_config() -> str:
+    """deploy/config.single-gpu.yaml's text: deploy/config.yaml, patched, with a header saying so."""
+    config = patched(yaml.safe_load(SERVE_CONFIG.read_text()), yaml.safe_load(SINGLE_GPU_PATCH.read_text()))
+    header = (
+        "# Written by `make k8s-sync`: deploy/config.yaml with deploy/config.single-gpu.patch.yaml\n"
+        "# applied. Edit those two, not this; deploy/config.yaml says why each setting is what it is.\n"
+        "#   serve run deploy/config.single-gpu.yaml     (one GPU machine, the `gpu` extra installed)\n"
+        "# The single-gpu overlay's serveConfigV2 on Kubernetes.\n"
+    )
+    return header + yaml.safe_dump(config, sort_keys=False, width=100)
+
+
+def overlay_patch(serve_config: str, source: str) -> str:
+    """A kustomize JSON patch that sets a RayService's serveConfigV2 to serve_config."""
+    head = (
+        f"# Written by `make k8s-sync`: {source} as this overlay's serveConfigV2.\n"
+        "- op: replace\n  path: /spec/serveConfigV2\n  value: |\n"
+    )
+    return head + "".join("    " + line if line.strip() else "\n" for line in serve_config.splitlines(keepends=True))
+
+
+def synced() -> dict[Path, str]:
+    """Every file this writes, with the text it should have."""
+    single_gpu = single_gpu_config()
+    return {
+        SINGLE_GPU_CONFIG: single_gpu,
+        RAYSERVICE: with_serve_config(RAYSERVICE.read_text(), SERVE_CONFIG.read_text()),
+        SINGLE_GPU_OVERLAY_PATCH: overlay_patch(single_gpu, SINGLE_GPU_CONFIG.relative_to(ROOT).as_posix()),
+    }
+
+
 def main(argv: list[str]) -> int:
-    current = RAYSERVICE.read_text()
-    synced = with_serve_config(current, SERVE_CONFIG.read_text())
+    wanted = synced()
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if "--check" in argv:
-        if synced != current:
-            print(f"{RAYSERVICE.relative_to(ROOT)} is out of date: run `make k8s-sync`", file=sys.stderr)
-            return 1
-        return 0
-    RAYSERVICE.write_text(synced)
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run `make k8s-sync`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
     return 0
 
 

@@ -15,6 +15,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
+SINGLE_GPU_SERVE_CONFIG = ROOT / "deploy" / "config.single-gpu.yaml"
 MONITORING = K8S / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
@@ -76,3 +77,19 @@ def rayservices(name: str) -> list[dict[str, Any]]:
 def pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
     cluster = rayservice["spec"]["rayClusterConfig"]
     return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+
+
+def serve_config_file(name: str) -> Path:
+    """The serve config a document set carries as serveConfigV2 (`make k8s-sync` copies it)."""
+    return SINGLE_GPU_SERVE_CONFIG if name == "single-gpu" else SERVE_CONFIG
+
+
+def worker_groups(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The RayService's worker groups by name: `cpu` (ingress) and `gpu` (model replicas)."""
+    return {group["groupName"]: group for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def app_args(rayservice: dict[str, Any]) -> dict[str, Any]:
+    """The application arguments of the RayService's serve config (models, ingress)."""
+    (application,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    return application["args"]

@@ -8,7 +8,7 @@ import yaml
 from serve_app.config import ConfigError, parse_app_config, split_engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-SHIPPED = ["config.yaml", "config.cpu.yaml", "config.sim.yaml"]
+SHIPPED = ["config.yaml", "config.single-gpu.yaml", "config.cpu.yaml", "config.sim.yaml"]
 
 
 def app_args(config_file: str) -> dict:

@@ -18,22 +18,25 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from serve_app.config import parse_app_config
 from tests.unit.k8s_manifests import (
     CRD_FILES,
     DOCUMENT_SETS,
     K8S,
     KUBERNETES_VERSION,
     OVERLAYS,
-    SERVE_CONFIG,
+    app_args,
     crd_schema,
     documents,
     pod_templates,
     rayservices,
+    serve_config_file,
+    worker_groups,
 )
 
 
-def test_there_is_a_small_and_a_production_overlay():
-    assert OVERLAYS == ["production", "single-gpu"]
+def test_there_is_a_small_and_a_production_overlay_and_one_for_incremental_upgrades():
+    assert OVERLAYS == ["production", "production-incremental", "single-gpu"]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
@@ -54,19 +57,51 @@ def test_the_crd_schema_check_catches_a_wrong_field_type():
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_serve_config_is_deploy_config_yaml_verbatim_and_valid_for_ray(name):
+def test_serve_config_is_a_file_of_deploy_verbatim_and_valid_for_ray(name):
+    """deploy/config.yaml (base, production overlays) or deploy/config.single-gpu.yaml (single-gpu)."""
     (rayservice,) = rayservices(name)
     text = rayservice["spec"]["serveConfigV2"]
-    assert text == SERVE_CONFIG.read_text(), "serveConfigV2 differs from deploy/config.yaml: run `make k8s-sync`"
+    source = serve_config_file(name)
+    assert text == source.read_text(), f"serveConfigV2 differs from {source.name}: run `make k8s-sync`"
     ServeDeploySchema.model_validate(yaml.safe_load(text))
 
 
-def test_sync_command_rewrites_only_the_serve_config_block():
+def sync_module():
     sys.path.insert(0, str(K8S))
     try:
-        from sync_serve_config import with_serve_config
+        import sync_serve_config
     finally:
         sys.path.remove(str(K8S))
+    return sync_serve_config
+
+
+def test_the_single_gpu_config_is_production_with_its_patch_applied():
+    """Every difference between the two serve configs is an operation of the patch file."""
+    sync = sync_module()
+    production = yaml.safe_load(sync.SERVE_CONFIG.read_text())
+    operations = yaml.safe_load(sync.SINGLE_GPU_PATCH.read_text())
+    single_gpu = yaml.safe_load(sync.SINGLE_GPU_CONFIG.read_text())
+    assert single_gpu == sync.patched(production, operations) != production
+    (model,) = single_gpu["applications"][0]["args"]["models"]
+    assert model["deployment"]["autoscaling_config"]["max_replicas"] == 1
+    assert model["deployment"]["max_surge_percent"] == 0
+
+
+def test_a_patch_that_no_longer_applies_is_an_error():
+    sync = sync_module()
+    document = {"a": [{"b": 1}]}
+    assert sync.patched(document, [{"op": "replace", "path": "/a/0/b", "value": 2}]) == {"a": [{"b": 2}]}
+    assert sync.patched(document, [{"op": "add", "path": "/a/0/c", "value": 3}]) == {"a": [{"b": 1, "c": 3}]}
+    assert sync.patched(document, [{"op": "remove", "path": "/a/0/b"}]) == {"a": [{}]}
+    assert document == {"a": [{"b": 1}]}
+    with pytest.raises(KeyError, match="/a/0/x"):
+        sync.patched(document, [{"op": "replace", "path": "/a/0/x", "value": 2}])
+    with pytest.raises(IndexError):
+        sync.patched(document, [{"op": "replace", "path": "/a/1/b", "value": 2}])
+
+
+def test_sync_command_rewrites_only_the_serve_config_block():
+    with_serve_config = sync_module().with_serve_config
     manifest = "spec:\n  serveConfigV2: |\n    old: 1\n\n    older: 2\n  rayClusterConfig:\n    x: 1\n"
     synced = with_serve_config(manifest, "# a comment\napplications: []\n\nproxy_location: EveryNode\n")
     assert yaml.safe_load(synced) == {
@@ -99,21 +134,23 @@ def test_pod_templates_validate_as_kubernetes_pod_templates(name):
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_each_gpu_worker_requests_exactly_one_gpu_and_the_head_none(name):
+def test_each_gpu_worker_requests_exactly_one_gpu_and_the_head_and_cpu_workers_none(name):
     (rayservice,) = rayservices(name)
     cluster = rayservice["spec"]["rayClusterConfig"]
-    for group in cluster["workerGroupSpecs"]:
-        (container,) = group["template"]["spec"]["containers"]
-        resources = container["resources"]
-        assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["nvidia.com/gpu"] == 1
+    groups = worker_groups(rayservice)
+    assert sorted(groups) == ["cpu", "gpu"]
+    (gpu_container,) = groups["gpu"]["template"]["spec"]["containers"]
+    resources = gpu_container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["nvidia.com/gpu"] == 1
+    for group in groups.values():
         assert 1 <= group["minReplicas"] <= group["maxReplicas"]
-    head = cluster["headGroupSpec"]
-    for container in head["template"]["spec"]["containers"]:
-        assert not any("gpu" in k for k in container.get("resources", {}).get("limits", {}))
+    for template in (cluster["headGroupSpec"]["template"], groups["cpu"]["template"]):
+        for container in template["spec"]["containers"]:
+            assert not any("gpu" in k for k in container.get("resources", {}).get("limits", {}))
     # No Serve replica on the head: it offers Ray no CPUs and no GPUs.
+    head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["num-gpus"] == "0"
-    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    (model,) = serve["applications"][0]["args"]["models"]
+    (model,) = app_args(rayservice)["models"]
     assert model["deployment"]["ray_actor_options"]["num_gpus"] == 1
 
 
@@ -131,26 +168,31 @@ def test_nothing_runs_as_root(name):
     assert autoscaler["runAsNonRoot"] is True and autoscaler["allowPrivilegeEscalation"] is False
 
 
+def drain_seconds(rayservice: dict) -> dict[str, float]:
+    """Each worker group's longest replica drain: graceful_shutdown_timeout_s as the app resolves it."""
+    config = parse_app_config(app_args(rayservice))
+    (model,) = config.models
+    return {
+        "gpu": model.resolved_deployment()["graceful_shutdown_timeout_s"],
+        "cpu": config.ingress.resolved_deployment()["graceful_shutdown_timeout_s"],
+    }
+
+
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_gpu_autoscaling_and_zero_downtime_upgrades_are_on(name):
+def test_autoscaling_is_on_and_no_worker_is_killed_before_its_replicas_drained(name):
     (rayservice,) = rayservices(name)
     assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
-    assert rayservice["spec"]["upgradeStrategy"]["type"] == "NewCluster"
-    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    (model,) = serve["applications"][0]["args"]["models"]
-    # A draining worker pod is not killed before its replica has finished its streams.
-    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
-        grace = group["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > model["deployment"]["graceful_shutdown_timeout_s"]
+    drains = drain_seconds(rayservice)
+    for group_name, group in worker_groups(rayservice).items():
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] > drains[group_name]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_api_keys_come_from_a_required_secret_where_the_ingress_runs(name):
-    """The serve config's key file is a mounted Secret on every worker (where the ingress runs)."""
+    """The serve config's key file is a mounted Secret on the CPU workers, where the ingress runs."""
     (rayservice,) = rayservices(name)
-    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    keys_file = Path(serve["applications"][0]["args"]["ingress"]["api_keys"]["file"])
-    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+    keys_file = Path(app_args(rayservice)["ingress"]["api_keys"]["file"])
+    for group in [worker_groups(rayservice)["cpu"]]:
         spec = group["template"]["spec"]
         (container,) = spec["containers"]
         (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == keys_file.parent]
@@ -170,45 +212,40 @@ def test_the_policies_select_the_ray_pods(name):
     docs = documents(name)
     (rayservice,) = rayservices(name)
     labels = [t["metadata"]["labels"] for t in pod_templates(rayservice)]
-    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "glm4-serve"]
     assert all(policy["spec"]["podSelector"]["matchLabels"].items() <= lab.items() for lab in labels)
-    (budget,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
-    wanted = dict(budget["spec"]["selector"]["matchLabels"])
-    assert wanted.pop("ray.io/node-type") == "worker"  # KubeRay's own label on worker pods
-    assert all(wanted.items() <= lab.items() for lab in labels)
-
-
-def test_overlays_size_the_gpu_group_differently():
-    def bounds(overlay: str) -> tuple[int, int]:
-        (rayservice,) = rayservices(overlay)
-        (group,) = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-        return group["minReplicas"], group["maxReplicas"]
-
-    assert bounds("single-gpu") == (1, 1)
-    low, high = bounds("production")
-    assert low >= 2 and high == 8  # deploy/config.yaml's max_replicas: one GPU pod per replica
+    # ...and the label KubeRay puts on every pod of a RayCluster.
+    assert policy["spec"]["podSelector"]["matchExpressions"] == [{"key": "ray.io/cluster", "operator": "Exists"}]
+    budgets = {
+        d["spec"]["selector"]["matchLabels"].get("ray.io/group"): d for d in docs if d["kind"] == "PodDisruptionBudget"
+    }
+    assert sorted(budgets) == ["cpu", "gpu"]  # one per worker group (KubeRay's label ray.io/group)
+    for group_name, group in worker_groups(rayservice).items():
+        wanted = dict(budgets[group_name]["spec"]["selector"]["matchLabels"])
+        wanted.pop("ray.io/group")
+        assert wanted.items() <= group["template"]["metadata"]["labels"].items()
+        assert budgets[group_name]["spec"]["maxUnavailable"] == 1
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_gpu_workers_drain_their_node_before_they_stop(name):
+def test_workers_drain_their_node_before_they_stop(name):
     """The preStop hook drains the node within the grace period, leaving each replica its
     whole graceful_shutdown_timeout_s before the drain's deadline (Serve stops a replica it
     cannot move at the deadline minus that timeout)."""
     (rayservice,) = rayservices(name)
-    serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
-    (model,) = serve["applications"][0]["args"]["models"]
+    drains = drain_seconds(rayservice)
     for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         spec = group["template"]["spec"]
         (container,) = spec["containers"]
         command = container["lifecycle"]["preStop"]["exec"]["command"]
         assert command[:3] == ["python", "-m", "serve_app.node_drain"]
         grace_s = int(command[command.index("--grace-s") + 1])
-        assert model["deployment"]["graceful_shutdown_timeout_s"] < grace_s < spec["terminationGracePeriodSeconds"]
+        assert drains[group["groupName"]] < grace_s < spec["terminationGracePeriodSeconds"]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_no_single_node_or_head_carries_every_stream(name):
-    """Client traffic skips the head's proxy; GPU pods spread over nodes and zones, per cluster."""
+    """Client traffic skips the head's proxy; each group's pods spread over nodes and zones, per cluster."""
     (rayservice,) = rayservices(name)
     assert rayservice["spec"]["excludeHeadPodFromServeSvc"] is True
     for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
@@ -218,5 +255,5 @@ def test_no_single_node_or_head_carries_every_stream(name):
         for constraint in spread.values():
             assert constraint["maxSkew"] == 1 and constraint["matchLabelKeys"] == ["ray.io/cluster"]
             wanted = dict(constraint["labelSelector"]["matchLabels"])
-            assert wanted.pop("ray.io/node-type") == "worker"  # KubeRay's own label
+            assert wanted.pop("ray.io/group") == group["groupName"]  # KubeRay's own label
             assert wanted.items() <= template["metadata"]["labels"].items()

@@ -90,7 +90,7 @@ def test_every_accepted_failure_still_fails(failed):
     assert sorted(set(accepted()) - set(failed)) == []
 
 
-def test_the_scan_sees_every_rendered_set_and_both_pod_templates(failed):
-    """The probes' checks fail on every set's head and worker Pods: proof each was scanned."""
-    pods = ("head", "worker-1")
+def test_the_scan_sees_every_rendered_set_and_every_pod_template(failed):
+    """The probes' checks fail on every set's head and worker (CPU, GPU) Pods: proof each was scanned."""
+    pods = ("head", "worker-1", "worker-2")
     assert failed["CKV_K8S_8"] == {f"{name}/Pod.glm4-serve.glm4-serve-{pod}" for name in SCANNED for pod in pods}

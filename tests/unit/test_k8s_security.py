@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.k8s_manifests import DOCUMENT_SETS, ROOT, documents, pod_templates, rayservices
+from tests.unit.k8s_manifests import DOCUMENT_SETS, ROOT, documents, pod_templates, rayservices, worker_groups
 
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 APP_NAMESPACE = "glm4-serve"  # the overlays' namespace; the plain base has none
@@ -67,8 +67,8 @@ def admits(policy: dict[str, Any], peer: Peer, port: int) -> bool:
     return False
 
 
-def network_policy(name: str) -> dict[str, Any]:
-    (policy,) = [d for d in documents(name) if d["kind"] == "NetworkPolicy"]
+def network_policy(name: str, policy_name: str = "glm4-serve") -> dict[str, Any]:
+    (policy,) = [d for d in documents(name) if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == policy_name]
     assert "Ingress" in policy["spec"]["policyTypes"]
     return policy
 
@@ -205,16 +205,21 @@ def test_the_docs_say_how_to_reach_the_dashboard_with_the_token():
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_the_hub_token_and_the_weights_reach_only_the_gpu_workers(name):
-    """The head runs no replica: no model cache and no Hugging Face token there. On the workers
+    """The head and the CPU workers run no model replica: no model cache and no Hugging Face token there. On GPU workers
     the token is a file of an optional Secret (HF_TOKEN_PATH), never an environment variable."""
     (rayservice,) = rayservices(name)
-    head, *workers = pod_templates(rayservice)
+    groups = worker_groups(rayservice)
     for template in pod_templates(rayservice):
         for container in template["spec"]["containers"]:
             assert all("secretKeyRef" not in e.get("valueFrom", {}) for e in container.get("env", [])), container
-    head_volumes = head["spec"].get("volumes", [])
-    assert not [v for v in head_volumes if "persistentVolumeClaim" in v or "secret" in v]
-    for worker in workers:
+    for other in (rayservice["spec"]["rayClusterConfig"]["headGroupSpec"], groups["cpu"]):
+        volumes = other["template"]["spec"].get("volumes", [])
+        assert not [
+            v
+            for v in volumes
+            if "persistentVolumeClaim" in v or v.get("secret", {}).get("secretName") == "glm4-serve-hf-token"
+        ]
+    for worker in [groups["gpu"]["template"]]:
         spec = worker["spec"]
         (container,) = spec["containers"]
         token_file = Path({e["name"]: e.get("value") for e in container["env"]}["HF_TOKEN_PATH"])
@@ -223,3 +228,32 @@ def test_the_hub_token_and_the_weights_reach_only_the_gpu_workers(name):
         assert mount["readOnly"] is True
         assert volume["secret"]["secretName"] == "glm4-serve-hf-token" and volume["secret"]["optional"] is True
         assert volume["secret"]["defaultMode"] & 0o007 == 0
+
+
+HEAD = RAY_POD | {"ray.io/node-type": "head"}
+REDIS_CLEANUP = RAY_POD | {"ray.io/node-type": "redis-cleanup"}  # KubeRay's Job: a copy of the head pod
+
+# (who, admitted) to Redis's port 6379: the GCS on the head, and KubeRay's clean-up Job only.
+REDIS_REACHABILITY = [
+    (Peer(APP_NAMESPACE, HEAD), True),
+    (Peer(APP_NAMESPACE, REDIS_CLEANUP), True),
+    (Peer(APP_NAMESPACE, RAY_POD), False),  # a worker: runs replicas, no GCS
+    (Peer(APP_NAMESPACE, {"app.kubernetes.io/part-of": "glm4-serve", "ray.io/node-type": "head"}), False),
+    (Peer("elsewhere", HEAD), False),
+    (Peer("kuberay", OPERATOR), False),
+    (Peer("elsewhere"), False),
+]
+
+
+@pytest.mark.parametrize("name", ["production", "production-incremental"])
+@pytest.mark.parametrize(
+    ("peer", "admitted"), REDIS_REACHABILITY, ids=[case_id((p, 6379, a)) for p, a in REDIS_REACHABILITY]
+)
+def test_only_the_gcs_reaches_redis(name, peer, admitted):
+    """Redis's own policy admits the head and KubeRay's clean-up Job; the Ray pods' policy does not select Redis."""
+    (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet"]
+    redis_pod = redis["spec"]["template"]["metadata"]["labels"]
+    policy = network_policy(name, "glm4-serve-redis")
+    assert selects(policy["spec"]["podSelector"], redis_pod)
+    assert not selects(network_policy(name)["spec"]["podSelector"], redis_pod)
+    assert admits(policy, peer, 6379) is admitted
