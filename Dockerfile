@@ -16,10 +16,14 @@ ENV HF_HOME=/models/hf
 USER 1000:100
 WORKDIR /home/ray/app
 
+# Dependencies first, each pinned and checked against its hash (requirements/gpu.lock, written by
+# `make lock` from pyproject.toml); then this project alone, with nothing left to resolve.
+COPY --chown=1000:100 requirements/gpu.lock ./requirements/
+RUN pip install --no-cache-dir --require-hashes -r requirements/gpu.lock
 COPY --chown=1000:100 pyproject.toml README.md ./
 COPY --chown=1000:100 serve_app ./serve_app
 COPY --chown=1000:100 deploy ./deploy
-RUN pip install --no-cache-dir '.[gpu]'
+RUN pip install --no-cache-dir --no-deps --no-build-isolation .
 
 VOLUME ["/models"]
 

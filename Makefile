@@ -11,7 +11,7 @@ SCAN_STAMP := $(SCAN_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync clean
+.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync lock clean
 
 install: $(STAMP)
 
@@ -22,6 +22,15 @@ $(STAMP): pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break transformers' GLM import.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+# requirements/gpu.lock: every dependency of the GPU image (the `gpu` extra, Linux x86-64,
+# Python 3.11), pinned with its hashes; the Dockerfile installs it with --require-hashes.
+# Run after changing a pin in pyproject.toml; a test fails while the two disagree.
+lock:
+	test -x .venv-lock/bin/uv || ($(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet --upgrade pip \
+		&& .venv-lock/bin/pip install --quiet --group lock)
+	.venv-lock/bin/uv pip compile --quiet --native-tls pyproject.toml --extra gpu --generate-hashes --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" -o requirements/gpu.lock
 
 $(SCAN_STAMP): pyproject.toml
 	test -x $(SCAN_VENV)/bin/python || $(PYTHON) -m venv $(SCAN_VENV)
@@ -69,4 +78,4 @@ k8s-sync: install
 	$(BIN)/python k8s/sync_serve_config.py
 
 clean:
-	rm -rf $(VENV) $(SCAN_VENV) $(TINY_MODEL)
+	rm -rf $(VENV) $(SCAN_VENV) .venv-lock $(TINY_MODEL)

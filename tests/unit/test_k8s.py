@@ -257,3 +257,20 @@ def test_no_single_node_or_head_carries_every_stream(name):
             wanted = dict(constraint["labelSelector"]["matchLabels"])
             assert wanted.pop("ray.io/group") == group["groupName"]  # KubeRay's own label
             assert wanted.items() <= template["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_the_weights_job_and_the_gpu_workers_wait_name_the_checkpoints_served(name):
+    """The Job downloads, and GPU pods wait for, exactly the checkpoints of the set's serveConfigV2."""
+    from serve_app.model_download import checkpoints
+
+    (rayservice,) = rayservices(name)
+    served = checkpoints(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    assert served
+    (job,) = [d for d in documents(name) if d["kind"] == "Job"]
+    (download,) = job["spec"]["template"]["spec"]["containers"]
+    (wait,) = worker_groups(rayservice)["gpu"]["template"]["spec"]["initContainers"]
+    for command, mode in ((download["command"], []), (wait["command"], ["--wait"])):
+        assert command[:3] == ["python", "-m", "serve_app.model_download"] and command[3:-1] == mode
+        config = yaml.safe_load((K8S.parent / command[-1]).read_text())  # the image's WORKDIR holds deploy/
+        assert checkpoints(config) == served

@@ -94,3 +94,39 @@ def test_the_scan_sees_every_rendered_set_and_every_pod_template(failed):
     """The probes' checks fail on every set's head and worker (CPU, GPU) Pods: proof each was scanned."""
     pods = ("head", "worker-1", "worker-2")
     assert failed["CKV_K8S_8"] == {f"{name}/Pod.glm4-serve.glm4-serve-{pod}" for name in SCANNED for pod in pods}
+
+
+def test_a_released_overlay_names_every_image_by_digest(tmp_path):
+    """The release step pins images as `kustomize edit set image NAME=REPO@sha256:...` writes them
+    (newName and digest in the overlay's `images`); rendered so, no container fails checkov's
+    digest check (CKV_K8S_43), the one accepted for the checked-in, tagged overlays."""
+    import shutil
+
+    shutil.copytree(K8S, tmp_path / "k8s")
+    kustomization = tmp_path / "k8s" / "overlays" / "production" / "kustomization.yaml"
+    config = yaml.safe_load(kustomization.read_text())
+    for index, image in enumerate(config["images"]):
+        image.pop("newTag")
+        image |= {"newName": f"images.internal/{image['name']}", "digest": f"sha256:{index:064x}"}
+    kustomization.write_text(yaml.safe_dump(config, sort_keys=False))
+    scanned = tmp_path / "scanned"
+    scanned.mkdir()
+    for overlay in ("production", "production-incremental"):
+        out = subprocess.run(
+            [kubectl(), "kustomize", str(tmp_path / "k8s" / "overlays" / overlay)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        documents = [d for d in yaml.safe_load_all(out) if d]
+        (scanned / f"{overlay}.yaml").write_text(yaml.safe_dump_all(as_scanned(documents), sort_keys=False))
+        assert "@sha256:" in out and ":0.1.0" not in out
+    scan = subprocess.run(
+        [str(CHECKOV), "--directory", str(scanned), "--framework", "kubernetes", "--skip-download"]
+        + ["--check", "CKV_K8S_43", "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(scan.stdout)
+    assert report["summary"]["failed"] == 0 and report["summary"]["passed"] >= 8, report["summary"]

@@ -203,31 +203,62 @@ def test_the_docs_say_how_to_reach_the_dashboard_with_the_token():
     assert "authOptions" in text and "auth_token" in text and "RAY_AUTH_TOKEN" in text
 
 
+def volume_sources(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in spec.get("volumes", [])}
+
+
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_the_hub_token_and_the_weights_reach_only_the_gpu_workers(name):
-    """The head and the CPU workers run no model replica: no model cache and no Hugging Face token there. On GPU workers
-    the token is a file of an optional Secret (HF_TOKEN_PATH), never an environment variable."""
+def test_the_hub_token_reaches_only_the_download_job_and_the_weights_only_gpu_workers_read_only(name):
+    """The Job fills the model cache with the token (a file of an optional Secret, HF_TOKEN_PATH);
+    GPU workers mount the cache read-only and run offline; the head and CPU workers get neither."""
+    docs = documents(name)
     (rayservice,) = rayservices(name)
     groups = worker_groups(rayservice)
-    for template in pod_templates(rayservice):
-        for container in template["spec"]["containers"]:
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    job_spec = job["spec"]["template"]["spec"]
+    for spec in [job_spec, *(t["spec"] for t in pod_templates(rayservice))]:
+        for container in spec["containers"]:
             assert all("secretKeyRef" not in e.get("valueFrom", {}) for e in container.get("env", [])), container
+    (download,) = job_spec["containers"]
+    token_file = Path({e["name"]: e.get("value") for e in download["env"]}["HF_TOKEN_PATH"])
+    (mount,) = [m for m in download["volumeMounts"] if Path(m["mountPath"]) == token_file.parent]
+    secret = volume_sources(job_spec)[mount["name"]]["secret"]
+    assert mount["readOnly"] is True and secret["optional"] is True and secret["defaultMode"] & 0o007 == 0
+    assert secret["secretName"] == "glm4-serve-hf-token"
+    (cache,) = [m for m in download["volumeMounts"] if m["mountPath"] == "/models"]
+    assert not cache.get("readOnly", False)  # the one writer
+    for template in pod_templates(rayservice):
+        volumes = volume_sources(template["spec"]).values()
+        assert not [v for v in volumes if v.get("secret", {}).get("secretName") == "glm4-serve-hf-token"]
     for other in (rayservice["spec"]["rayClusterConfig"]["headGroupSpec"], groups["cpu"]):
-        volumes = other["template"]["spec"].get("volumes", [])
-        assert not [
-            v
-            for v in volumes
-            if "persistentVolumeClaim" in v or v.get("secret", {}).get("secretName") == "glm4-serve-hf-token"
-        ]
-    for worker in [groups["gpu"]["template"]]:
-        spec = worker["spec"]
-        (container,) = spec["containers"]
-        token_file = Path({e["name"]: e.get("value") for e in container["env"]}["HF_TOKEN_PATH"])
-        (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == token_file.parent]
-        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
-        assert mount["readOnly"] is True
-        assert volume["secret"]["secretName"] == "glm4-serve-hf-token" and volume["secret"]["optional"] is True
-        assert volume["secret"]["defaultMode"] & 0o007 == 0
+        assert not [v for v in volume_sources(other["template"]["spec"]).values() if "persistentVolumeClaim" in v]
+    gpu = groups["gpu"]["template"]["spec"]
+    (container,) = gpu["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and "HF_TOKEN_PATH" not in env
+    (cache,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+    assert cache["readOnly"] is True
+    assert volume_sources(gpu)[cache["name"]]["persistentVolumeClaim"]["readOnly"] is True
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_root_filesystems_are_read_only_and_uids_are_high(name):
+    """Every container of ours: read-only root, writes to the pod's /tmp emptyDir (HOME there too),
+    a uid of 10000 or more (one no host account has)."""
+    docs = documents(name)
+    (rayservice,) = rayservices(name)
+    specs = [t["spec"] for t in pod_templates(rayservice)]
+    specs += [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Job", "StatefulSet")]
+    for spec in specs:
+        assert spec["securityContext"]["runAsUser"] >= 10000 and spec["securityContext"]["runAsNonRoot"] is True
+        for container in spec["containers"]:
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, container["name"]
+            if container["name"] == "redis":
+                continue  # writes only its data volume
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env["HOME"].startswith("/tmp/")
+            (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert "emptyDir" in volume_sources(spec)[tmp["name"]]
 
 
 HEAD = RAY_POD | {"ray.io/node-type": "head"}
