@@ -1,4 +1,4 @@
-"""Drain this Ray node before its pod goes: the GPU worker pods' preStop hook.
+"""Drain this Ray node before its pod goes: the worker pods' preStop hook (GPU and CPU).
 
 Kubernetes runs a pod's preStop hook, then sends SIGTERM, and kills what is left once
 ``terminationGracePeriodSeconds`` have passed since the start. Without a hook, Serve keeps

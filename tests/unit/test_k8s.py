@@ -192,18 +192,17 @@ def test_api_keys_come_from_a_required_secret_where_the_ingress_runs(name):
     """The serve config's key file is a mounted Secret on the CPU workers, where the ingress runs."""
     (rayservice,) = rayservices(name)
     keys_file = Path(app_args(rayservice)["ingress"]["api_keys"]["file"])
-    for group in [worker_groups(rayservice)["cpu"]]:
-        spec = group["template"]["spec"]
-        (container,) = spec["containers"]
-        (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == keys_file.parent]
-        assert mount["readOnly"] is True
-        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
-        secret = volume["secret"]
-        assert secret["secretName"] == "glm4-serve-api-keys" and not secret.get("optional", False)
-        assert "items" not in secret or keys_file.name in {i["path"] for i in secret["items"]}
-        # Readable by the pod's group (fsGroup), not by others.
-        assert secret["defaultMode"] & 0o007 == 0 and secret["defaultMode"] & 0o040
-        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+    spec = worker_groups(rayservice)["cpu"]["template"]["spec"]
+    (container,) = spec["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == keys_file.parent]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    assert secret["secretName"] == "glm4-serve-api-keys" and not secret.get("optional", False)
+    assert "items" not in secret or keys_file.name in {i["path"] for i in secret["items"]}
+    # Readable by the pod's group (fsGroup), not by others.
+    assert secret["defaultMode"] & 0o007 == 0 and secret["defaultMode"] & 0o040
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
