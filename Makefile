@@ -11,7 +11,7 @@ SCAN_STAMP := $(SCAN_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync lock clean
+.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -76,6 +76,10 @@ bench: install
 # Write deploy/config.single-gpu.yaml and copy the serve configs into the manifests (a test fails while stale).
 k8s-sync: install
 	$(BIN)/python k8s/sync_serve_config.py
+
+# The gRPC API's Python code (serve_app/grpc_api/generation_pb2*) from proto/glm4serve/v1/generation.proto.
+proto: install
+	$(BIN)/python -m tools.build_proto
 
 clean:
 	rm -rf $(VENV) $(SCAN_VENV) .venv-lock $(TINY_MODEL)

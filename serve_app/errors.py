@@ -1,9 +1,10 @@
-"""OpenAI-shaped errors.
+"""OpenAI-shaped errors, and the gRPC status of each.
 
 Every non-2xx answer, and every error event that ends a stream, carries the body
 OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``. The
 ``type`` follows the OpenAI API's names for the status, so an SDK raises the
-exception class its users already catch.
+exception class its users already catch. The gRPC API answers the same cases
+with the status :func:`grpc_status` names.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
+
+import grpc
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -28,6 +31,31 @@ _TYPE_BY_STATUS = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+# The gRPC status that answers each HTTP status, as gRPC's own HTTP mapping and Google's API design guide pair them.
+_GRPC_BY_STATUS = {
+    200: grpc.StatusCode.OK,
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.INVALID_ARGUMENT,  # the request is too large: sending it again will not help
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def grpc_status(status: int) -> grpc.StatusCode:
+    """The gRPC status of an HTTP status: other 4xx are INVALID_ARGUMENT, other 5xx INTERNAL."""
+    if status in _GRPC_BY_STATUS:
+        return _GRPC_BY_STATUS[status]
+    return grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
 
 
 UNAVAILABLE = "unavailable"

@@ -1,4 +1,5 @@
-"""API keys: when configured, every ``/v1/*`` request needs ``Authorization: Bearer <key>``.
+"""API keys: when configured, every ``/v1/*`` request needs ``Authorization: Bearer <key>``
+(a gRPC call, the same ``authorization`` metadata).
 
 Keys come from an environment variable or a file, either of which a Kubernetes
 Secret fills, one key per line (see :func:`parse_keys`). A file is re-read when
@@ -18,7 +19,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,11 +168,22 @@ def load_api_keys(config: APIKeysConfig | None) -> APIKeys | None:
     return APIKeys.from_file(config.file)
 
 
-def bearer_token(headers: Headers) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+def bearer_token(headers: Mapping[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (or gRPC metadata entry), or None."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+def authenticate(keys: APIKeys, headers: Mapping[str, str]) -> str:
+    """The id of the configured key ``headers`` present; 401 without a key, or with one not configured."""
+    token = bearer_token(headers)
+    if token is None:
+        raise APIError(401, "no API key: send it in an Authorization header as 'Bearer <key>'", code="invalid_api_key")
+    key_id = keys.identify(token)
+    if key_id is None:
+        raise APIError(401, "the API key is not valid", code="invalid_api_key")
+    return key_id
 
 
 class APIKeyMiddleware:
@@ -185,21 +197,16 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not route_path(scope).startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
-        token = bearer_token(Headers(scope=scope))
-        key_id = None if token is None else self.keys.identify(token)
-        if token is None:
-            error = APIError(
-                401,
-                "no API key: send it in an Authorization header as 'Bearer <key>'",
-                code="invalid_api_key",
-            )
-        elif key_id is None:
-            error = APIError(401, "the API key is not valid", code="invalid_api_key")
-        else:
-            # A fresh state mapping: the server's may be shared between requests.
-            state = dict(scope.get("state") or {}, **{KEY_ID_SCOPE_KEY: key_id})
-            await self.app(dict(scope, state=state), receive, send)
+        try:
+            key_id = authenticate(self.keys, Headers(scope=scope))
+        except APIError as error:
+            await self._refuse(send, error)
             return
+        # A fresh state mapping: the server's may be shared between requests.
+        state = dict(scope.get("state") or {}, **{KEY_ID_SCOPE_KEY: key_id})
+        await self.app(dict(scope, state=state), receive, send)
+
+    async def _refuse(self, send: Send, error: APIError) -> None:
         await send(
             {
                 "type": "http.response.start",

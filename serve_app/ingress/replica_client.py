@@ -1,9 +1,11 @@
 """Calling a model replica from the ingress: one request, its retries, its deadlines, its stream.
 
-:func:`relay` sends a validated request through a streaming ``DeploymentHandle``
-and turns the replica's answer into an HTTP response: a :class:`Reply` becomes a
-JSON response, a stream is written through as SSE (:func:`stream_sse`), bytes
-as they are, with a final error event if it fails after it started. What is
+:func:`call_replica` sends a validated request through a streaming
+``DeploymentHandle`` and waits for the answer to begin; :func:`relay` turns it
+into an HTTP response: a :class:`Reply` becomes a JSON response, a stream is
+written through as SSE (:func:`stream_sse`), bytes as they are, with a final
+error event if it fails after it started. (The gRPC service reads the same
+stream through :func:`stream_sse` too.) What is
 sent again, and what is never (:func:`may_have_reached_an_engine`), is decided
 here; what a failure looks like to a client is :func:`replica_failure`.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from ray.exceptions import TaskCancelledError
@@ -74,7 +76,7 @@ def may_have_reached_an_engine(exc: BaseException) -> bool:
 
 async def stream_sse(
     first: str, rest: Any, deadline: Deadline, record: RequestRecord, on_tokens: TokenCounter | None = None
-) -> AsyncIterator[str | bytes]:
+) -> AsyncGenerator[str | bytes, None]:
     """Write a replica's SSE stream through; a failure after the start becomes a final error event.
 
     The replica ends the stream with an :class:`Outcome` (not written out), kept in
@@ -133,7 +135,37 @@ async def relay(
     retry_s: float = 0.0,
     on_tokens: TokenCounter | None = None,
 ) -> Response:
-    """Send ``payload`` to a replica (through a streaming handle) and answer with its reply or stream.
+    """Send ``payload`` to a replica (:func:`call_replica`) and answer over HTTP with its reply or stream."""
+    first, responses = await call_replica(handle, method, payload, deadline, record, retry_s)
+    if isinstance(first, Reply):
+        settle_reply(first, record, on_tokens)
+        # A replica that cannot serve right now (its engine died) says so with 503: retry.
+        headers = {"Retry-After": "1"} if first.status == 503 else None
+        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
+    return StreamingResponse(
+        stream_sse(first, responses, deadline, record, on_tokens),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+def settle_reply(reply: Reply, record: RequestRecord, on_tokens: TokenCounter | None) -> None:
+    """Record a whole reply's outcome and charge its tokens."""
+    record.outcome = reply.outcome
+    record.error_code = reply.code
+    if on_tokens is not None and reply.outcome is not None:
+        on_tokens(reply.outcome.total_tokens)
+
+
+async def call_replica(
+    handle: DeploymentHandle,
+    method: str,
+    payload: GenerationRequest,
+    deadline: Deadline,
+    record: RequestRecord,
+    retry_s: float = 0.0,
+) -> tuple[Reply | str, Any]:
+    """Send ``payload`` to a replica (through a streaming handle); its first item and the rest of its answer.
 
     A stream's first chunk must come before the first-token deadline; a unary
     answer, which is its whole first item, before the end deadline.
@@ -184,19 +216,7 @@ async def relay(
             continue
         break
     record.enter(Phase.RUNNING)
-    if isinstance(first, Reply):
-        record.outcome = first.outcome
-        record.error_code = first.code
-        if on_tokens is not None and first.outcome is not None:
-            on_tokens(first.outcome.total_tokens)
-        # A replica that cannot serve right now (its engine died) says so with 503: retry.
-        headers = {"Retry-After": "1"} if first.status == 503 else None
-        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
-    return StreamingResponse(
-        stream_sse(first, responses, deadline, record, on_tokens),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return first, responses
 
 
 async def _before_retry(until: float) -> bool:

@@ -16,14 +16,11 @@ parsing and routing, in :func:`handle_generation`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel
 from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,23 +30,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.config import CORSConfig
 from serve_app.errors import UNAVAILABLE, APIError, error_body
-from serve_app.ingress.auth import APIKeyMiddleware, APIKeys
-from serve_app.ingress.deadlines import Deadline, TimeLimits, requested_timeout
+from serve_app.ingress.admission import Endpoint, admit_key, check_limits, default_endpoints, validated
+from serve_app.ingress.auth import APIKeyMiddleware
+from serve_app.ingress.deadlines import Deadline, requested_timeout
 from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
-from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.replica_client import relay
 from serve_app.ingress.router import ModelRouter
-from serve_app.ingress.validation import (
-    check_choices,
-    check_output_fits,
-    decode_body,
-    parse_request,
-)
-from serve_app.observability.record import Observer, ObserveRequests, RequestObserver, RequestRecord
-from serve_app.observability.request_log import log_request
+from serve_app.ingress.settings import IngressSettings
+from serve_app.ingress.validation import decode_body
+from serve_app.observability.record import ObserveRequests, RequestRecord
 from serve_app.protocol import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
@@ -63,33 +54,6 @@ class ReadinessSource(Protocol):
     def stop(self) -> None: ...
 
     def readiness(self) -> Readiness: ...
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A generation route: its vLLM request model and the replica method that answers it."""
-
-    path: str
-    request_model: type[BaseModel]
-    method: str
-
-
-@dataclass(frozen=True)
-class HTTPSettings:
-    max_request_body_bytes: int
-    time_limits: TimeLimits
-    body_timeout_s: float = 30.0  # longest a client may take to send its body
-    max_n: int = 8  # most choices one request may ask for
-    # How long a request that no replica has started is sent again while replicas
-    # answer "unavailable" (an engine died, a replica is going away).
-    unavailable_retry_s: float = 30.0
-    api_keys: APIKeys | None = None  # None: no key needed
-    key_limits: KeyLimits | None = None  # None: no per-key rate limits
-    cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
-    # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
-    metrics: RequestObserver | None = None
-    log_requests: bool = True  # one structured line per generation request
-    log_content: bool = False  # ... with the prompt and the completion in it
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
@@ -116,30 +80,25 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     record: RequestRecord = request.state.record  # opened by ObserveRequests
     record.key_id = getattr(request.state, "api_key_id", None)
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
-    settings: HTTPSettings = state.settings
+    settings: IngressSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
     payload: GenerationRequest
     if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
         checked = await state.body_checker.check(endpoint.request_model, raw)
         body, payload = checked.fields, checked.request
         entry = state.router.route(body.get("model"))
+        check_limits(body, entry, settings)
     else:
         body = decode_body(raw)
-        entry = state.router.route(body.get("model"))  # an unknown model: 404 before any 400
-        payload = parse_request(endpoint.request_model, body)
+        entry, payload = validated(state.router, settings, endpoint, body)
     record.model = entry.name
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)
-    check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
-    check_choices(body, settings.max_n)
-    on_tokens = None
-    if (limits := state.settings.key_limits) is not None:
-        key_id = request.state.api_key_id  # set by the API-key middleware, which limits require
-        await limits.admit(key_id)
-        on_tokens = functools.partial(limits.charge, key_id) if limits.counts_tokens else None
-    retry_s = state.settings.unavailable_retry_s
-    return await relay(entry.handle, endpoint.method, payload, deadline, record, retry_s, on_tokens)
+    on_tokens = await admit_key(settings.key_limits, record.key_id)
+    return await relay(
+        entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s, on_tokens
+    )
 
 
 def generation_route(endpoint: Endpoint) -> Route:
@@ -195,19 +154,9 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(500, "internal server error", code="internal_error"), 500)
 
 
-def default_endpoints() -> list[Endpoint]:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-    return [
-        Endpoint("/v1/chat/completions", ChatCompletionRequest, "chat"),
-        Endpoint("/v1/completions", CompletionRequest, "completion"),
-    ]
-
-
 def build_http_app(
     router: ModelRouter[Any],
-    settings: HTTPSettings,
+    settings: IngressSettings,
     readiness: ReadinessSource,
     endpoints: list[Endpoint] | None = None,
 ) -> Starlette:
@@ -231,13 +180,11 @@ def build_http_app(
             )
         )
     # Inside CORS (a preflight is no request), outside API keys (a 401 is counted and logged).
-    observers: list[Observer] = [settings.metrics.ended] if settings.metrics is not None else []
-    observers += [log_request] if settings.log_requests else []
     middleware.append(
         Middleware(
             ObserveRequests,
             paths={e.path: e.method for e in endpoints},
-            observers=observers,
+            observers=settings.observers(),
             on_phase=settings.metrics.moved if settings.metrics is not None else None,
             keep_content=settings.log_content,
         )

@@ -3,7 +3,9 @@
 Ray exports them on every node's Prometheus endpoint (port 8080 with ``make serve``
 and on KubeRay pods) with the prefix ``ray_``, and Ray Serve adds the tags
 ``application``, ``deployment`` and ``replica`` (here: the ingress replica that
-measured). Each metric also carries the ``model`` it is about. They are measured
+measured). Each metric also carries the ``model`` it is about, and each
+histogram and counter the ``protocol`` (``http`` or ``grpc``) the request came
+by; a gRPC request's ``status`` is the HTTP status of the same answer. They are measured
 where the client's view is: in the ingress, from the moment a request arrives
 to the moment its last byte is written, so they include queueing in Serve's
 router and in the engine. vLLM's own engine metrics (``ray_vllm:*``, one series
@@ -12,6 +14,7 @@ per model replica) come from :mod:`serve_app.replica.deployment`.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter as Tally
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +36,7 @@ ENGINE_FAILURES = "glm4_serve_engine_failures"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
+PROTOCOLS = ("http", "grpc")  # the protocol label: the front door a request came in by
 UNKNOWN_MODEL = "unknown"  # the model label of a request refused before its model was known
 
 # Error statuses whose share k8s/monitoring/prometheus-rules.yaml alerts on: exported at 0 from
@@ -59,7 +63,7 @@ class ServingMetrics:
     ) -> None:
         from ray.serve.metrics import Counter, Gauge, Histogram
 
-        model = ("model",)
+        model = ("model", "protocol")
         self.ttft = Histogram(
             TIME_TO_FIRST_TOKEN,
             "Streams: from request arrival to the first token written to the client.",
@@ -84,32 +88,34 @@ class ServingMetrics:
             REQUESTS,
             "Generation requests by final HTTP status (a stream ended by an error event counts under"
             " that error's status; 499: the client left) and finish reason.",
-            tag_keys=("model", "endpoint", "status", "finish_reason"),
+            tag_keys=("model", "protocol", "endpoint", "status", "finish_reason"),
         )
         self.rejected = Counter(
             REJECTED,
             "Requests answered 429: queue full (overloaded) or a key's rate limit.",
-            tag_keys=("model", "reason"),
+            tag_keys=("model", "protocol", "reason"),
         )
         self.aborted = Counter(
             ABORTED,
             "Requests whose client left before the answer ended; generation was aborted.",
-            tag_keys=("model", "phase"),
+            tag_keys=("model", "protocol", "phase"),
         )
         self.engine_failures = Counter(
             ENGINE_FAILURES,
             "Requests whose engine died while generating them; answered with an error, not retried.",
             tag_keys=model,
         )
-        self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=model)
-        self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=model)
+        # The gauges are the model's load, whichever protocol brought it: by model only.
+        by_model = ("model",)
+        self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=by_model)
+        self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=by_model)
         self._in_phase: Tally[tuple[str, Phase]] = Tally()
         self._gauges = gauges or kept_gauges()
         for name in models:
             for gauge in (self.queued, self.running):
                 self._gauges.set(gauge, 0, {"model": name})
-        for name in [*models, UNKNOWN_MODEL]:  # refused before routing (404, a 429 for a large body)
-            of_model = {"model": name}
+        for name, protocol in itertools.product([*models, UNKNOWN_MODEL], PROTOCOLS):  # unknown: refused before routing
+            of_model = {"model": name, "protocol": protocol}
             for counter, tags in [
                 (self.prompt_tokens, of_model),
                 (self.completion_tokens, of_model),
@@ -139,7 +145,7 @@ class ServingMetrics:
 
     def ended(self, record: RequestRecord) -> None:
         """Count a request that has ended, whatever its end."""
-        model = {"model": record.model or UNKNOWN_MODEL}
+        model = {"model": record.model or UNKNOWN_MODEL, "protocol": record.protocol}
         self.requests.inc(
             tags=model
             | {"endpoint": record.endpoint, "status": str(record.status), "finish_reason": record.finish_reason or ""}

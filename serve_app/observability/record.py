@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.errors import grpc_status
 from serve_app.ingress.route_path import route_path
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome
@@ -36,6 +37,7 @@ class Phase(enum.Enum):
 @dataclass(eq=False)
 class RequestRecord:
     endpoint: str  # "chat" or "completion"
+    protocol: str = "http"  # or "grpc"; statuses are HTTP's either way (the gRPC service maps its own)
     started_at: float = field(default_factory=time.monotonic)
     model: str | None = None  # set once routed; never a client's unknown model name
     request_id: str | None = None
@@ -168,13 +170,18 @@ class ObserveRequests:
                 record.status = 500
             raise
         finally:
-            record.ended_at = time.monotonic()
-            if not record.completed and record.status != 500:
-                record.status = CLIENT_GONE
-            record.enter(Phase.ENDED)
-            for observe in self.observers:
-                observe(record)
-            close_span(record)
+            end_record(record, self.observers)
+
+
+def end_record(record: RequestRecord, observers: list[Observer]) -> None:
+    """Close ``record``: an answer that never finished is a client that left; tell ``observers``; end its span."""
+    record.ended_at = time.monotonic()
+    if not record.completed and record.status != 500:
+        record.status = CLIENT_GONE
+    record.enter(Phase.ENDED)
+    for observe in observers:
+        observe(record)
+    close_span(record)
 
 
 def _client_left(exc: BaseException) -> bool:
@@ -192,7 +199,11 @@ def close_span(record: RequestRecord) -> None:
     span = record.span
     if span is None or not span.is_recording():
         return
-    attributes: dict[str, Any] = {"http.response.status_code": record.status or 0, "llm.stream": record.stream}
+    attributes: dict[str, Any] = {"llm.stream": record.stream}
+    if record.protocol == "grpc":
+        attributes["rpc.grpc.status_code"] = grpc_status(record.status or 500).value[0]
+    else:
+        attributes["http.response.status_code"] = record.status or 0
     optional: dict[str, Any] = {
         "gen_ai.request.model": record.model,
         "gen_ai.response.id": record.request_id,

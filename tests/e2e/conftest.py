@@ -4,7 +4,7 @@ The app is started as `make serve` starts it: a Ray head with token
 authentication, then ``serve run`` on the embedded default config
 ``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny GLM-4 model).
 The head is the suite's own (:mod:`tests.e2e.ray_cluster`: its temp dir, token
-and ports), the HTTP port is a free one, and the standard OpenTelemetry
+and ports), the HTTP and gRPC ports are free ones, and the standard OpenTelemetry
 variables are set in the app's ``runtime_env`` so its replicas export traces to
 the tests' collector: nothing collides with, or changes, what a developer runs.
 """
@@ -35,6 +35,7 @@ START_TIMEOUT_S = 420
 @dataclass(frozen=True)
 class RunningApp:
     url: str
+    grpc_target: str  # host:port of Serve's gRPC proxy
     model: str
     model_path: Path  # the engine's checkpoint, for tests that need its tokenizer
     log_path: Path
@@ -126,8 +127,9 @@ def reload_ray_auth_settings() -> None:
 @pytest.fixture(scope="session")
 def app(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[RunningApp]:
     config = yaml.safe_load(CONFIG.read_text())
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     config["http_options"]["port"] = port
+    config["grpc_options"]["port"] = grpc_port
     env_vars = config["applications"][0].setdefault("runtime_env", {}).setdefault("env_vars", {})
     env_vars["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_collector.endpoint
     env_vars["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # what the collector speaks
@@ -141,6 +143,7 @@ def app(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[RunningApp]:
     model = config["applications"][0]["args"]["models"][0]
     running = RunningApp(
         url=f"http://127.0.0.1:{port}",
+        grpc_target=f"127.0.0.1:{grpc_port}",
         model=model["name"],
         model_path=REPO / model["engine_args"]["model"],
         log_path=workdir / "serve.log",

@@ -18,7 +18,8 @@ from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.router import ModelEntry, ModelRouter
-from serve_app.ingress.routes import HTTPSettings, build_http_app
+from serve_app.ingress.routes import build_http_app
+from serve_app.ingress.settings import IngressSettings
 from serve_app.observability.record import Phase, RequestRecord
 
 CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
@@ -114,7 +115,7 @@ def client_for(
 
     readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
 
-    settings = HTTPSettings(
+    settings = IngressSettings(
         max_request_body_bytes=limit,
         time_limits=limits or TimeLimits(600, 120),
         unavailable_retry_s=retry_s,

@@ -140,9 +140,36 @@ def test_shipped_configs_pass_ray_serves_own_schema(config_file):
 def test_the_proxys_timeout_outlasts_every_ingress_deadline(config_file):
     """Serve's proxy bounds a request's wait for an ingress replica; it must never end one the ingress still times."""
     serve_config = yaml.safe_load((DEPLOY / config_file).read_text())
-    proxy_timeout_s = serve_config["http_options"]["request_timeout_s"]
-    for app in serve_config["applications"]:
-        assert proxy_timeout_s >= parse_app_config(app["args"]).ingress.request_timeout_s + 30
+    for proxy in ("http_options", "grpc_options"):
+        proxy_timeout_s = serve_config[proxy]["request_timeout_s"]
+        for app in serve_config["applications"]:
+            assert proxy_timeout_s >= parse_app_config(app["args"]).ingress.request_timeout_s + 30, proxy
+
+
+@pytest.mark.parametrize("config_file", SHIPPED)
+def test_every_shipped_config_serves_the_grpc_api_and_its_health_service(config_file):
+    """The servicer functions import (Serve's own model imports them, as its proxy does) and register both services."""
+    from unittest.mock import Mock
+
+    from ray.serve.config import gRPCOptions
+
+    options = gRPCOptions.model_validate(yaml.safe_load((DEPLOY / config_file).read_text())["grpc_options"])
+    assert options.port == 9000 and options.enable_reflection
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.services: set[str] = set()
+
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            self.services |= {handler.service_name() for handler in handlers}
+
+        def add_registered_method_handlers(self, service, handlers) -> None:
+            self.services.add(service)
+
+    server = Recorder()
+    for add_servicer in options.grpc_servicer_func_callable:
+        add_servicer(Mock(), server)  # as Serve's proxy does: its servicer is a stand-in, the methods are the app's
+    assert server.services == {"glm4serve.v1.Generation", "grpc.health.v1.Health"}
 
 
 def test_time_limits_have_defaults_and_drain_defaults_to_the_longest_answer():

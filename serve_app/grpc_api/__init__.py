@@ -1,0 +1,6 @@
+"""The gRPC API: ``glm4serve.v1.Generation`` (proto/glm4serve/v1/generation.proto).
+
+``generation_pb2*`` are generated (``make proto``); :mod:`.messages` converts
+between its messages and the HTTP API's JSON; :mod:`.service` answers the calls
+in the ingress deployment.
+"""

@@ -1,0 +1,67 @@
+"""What every generation request passes between parsing and a model replica, whichever protocol brought it.
+
+The HTTP routes (:mod:`serve_app.ingress.routes`) and the gRPC service
+(:mod:`serve_app.grpc_api.service`) read their requests differently and answer
+differently; in between they do the same: route by ``model`` (404), validate
+with vLLM's request model (:mod:`serve_app.ingress.validation`, 400), check the
+server's limits (400), and ask the key's rate limits (429). One definition here
+keeps the two front doors holding requests to the same rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.replica_client import TokenCounter
+from serve_app.ingress.router import ModelEntry, ModelRouter
+from serve_app.ingress.settings import IngressSettings
+from serve_app.ingress.validation import check_choices, check_output_fits, parse_request
+from serve_app.protocol import GenerationRequest
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A generation endpoint: its HTTP path, its vLLM request model and the replica method that answers it."""
+
+    path: str
+    request_model: type[BaseModel]
+    method: str
+
+
+def default_endpoints() -> list[Endpoint]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return [
+        Endpoint("/v1/chat/completions", ChatCompletionRequest, "chat"),
+        Endpoint("/v1/completions", CompletionRequest, "completion"),
+    ]
+
+
+def validated(
+    router: ModelRouter[Any], settings: IngressSettings, endpoint: Endpoint, body: dict[str, Any]
+) -> tuple[ModelEntry[Any], GenerationRequest]:
+    """The model entry and the validated request of a decoded ``body``: 404 before any 400."""
+    entry = router.route(body.get("model"))
+    payload = parse_request(endpoint.request_model, body)
+    check_limits(body, entry, settings)
+    return entry, payload
+
+
+def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings) -> None:
+    """The server's own limits on one answer: its tokens and its choices."""
+    check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
+    check_choices(body, settings.max_n)
+
+
+async def admit_key(limits: KeyLimits | None, key_id: str | None) -> TokenCounter | None:
+    """Ask the key's rate limits (429 when spent); the counter to tell its tokens to, when they are counted."""
+    if limits is None or key_id is None:
+        return None
+    await limits.admit(key_id)
+    return functools.partial(limits.charge, key_id) if limits.counts_tokens else None

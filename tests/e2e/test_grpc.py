@@ -1,0 +1,184 @@
+"""The gRPC API (glm4serve.v1.Generation) on the real app, through Ray Serve's gRPC proxy, with grpcio's asyncio client.
+
+Every stream ends with exactly one final response; a failed call also ends with
+the matching non-OK status. Errors that need the app disturbed are checked where
+the app is disturbed anyway: a missing key in test_rollout (keys turned on), a
+full queue in test_load's burst, an engine killed mid-stream in test_faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from tests.e2e.streams import LONG, in_flight_reaches_zero
+
+CONCURRENT = 64
+TOKENS = 16
+
+
+def story(model: str, **fields) -> pb.ChatCompletionRequest:
+    message = pb.Message(role="user", content="Tell me a long story.")
+    return pb.ChatCompletionRequest(model=model, messages=[message], **fields)
+
+
+@pytest.fixture
+async def stub(app) -> AsyncIterator[pb_grpc.GenerationStub]:
+    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@dataclass
+class Call:
+    responses: list
+    code: grpc.StatusCode
+    details: str
+    trailing: dict[str, str]
+
+    @property
+    def final(self):
+        return self.responses[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for r in self.responses for c in r.choices for t in c.token_ids]
+
+
+async def call(method, request, **kwargs) -> Call:
+    """Read a whole stream; its status and trailing metadata, OK or not."""
+    stream = method(request, **kwargs)
+    responses = []
+    try:
+        async for response in stream:
+            responses.append(response)
+    except grpc.aio.AioRpcError:
+        pass
+    return Call(responses, await stream.code(), await stream.details(), dict(await stream.trailing_metadata() or ()))
+
+
+def ends_once(result: Call) -> None:
+    finals = [r for r in result.responses if r.final]
+    assert len(finals) == 1 and result.final.final, [r.final for r in result.responses]
+
+
+async def test_concurrent_streams_each_deliver_their_max_tokens_and_one_final_response(app, stub):
+    request = story(app.model, max_tokens=TOKENS, ignore_eos=True, return_token_ids=True)
+    results = await asyncio.gather(*(call(stub.ChatCompletion, request) for _ in range(CONCURRENT)))
+    for result in results:
+        assert result.code == grpc.StatusCode.OK, result.details
+        ends_once(result)
+        assert len(result.token_ids) == TOKENS
+        assert result.final.usage.completion_tokens == TOKENS
+        assert result.final.usage.total_tokens == result.final.usage.prompt_tokens + TOKENS
+        assert [c.finish_reason for c in result.final.choices] == ["length"]
+        counts = [r.completion_tokens for r in result.responses]
+        assert counts == sorted(counts) and counts[-1] == TOKENS  # the count so far only grows
+        assert not result.final.HasField("error")
+    print(f"{CONCURRENT} streams, {sum(len(r.responses) for r in results)} responses in all")
+
+
+async def test_completion_streams_text_and_ends_with_usage(app, stub):
+    request = pb.CompletionRequest(model=app.model, prompt="Once upon a time", max_tokens=8, ignore_eos=True)
+    result = await call(stub.Completion, request)
+    assert result.code == grpc.StatusCode.OK, result.details
+    ends_once(result)
+    assert "".join(c.text for r in result.responses for c in r.choices)
+    assert result.final.usage.completion_tokens == 8
+
+
+async def test_http_and_grpc_streams_with_the_same_seed_give_the_same_tokens(app, stub):
+    fields = {"max_tokens": 24, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    result = await call(stub.ChatCompletion, story(app.model, return_token_ids=True, **fields))
+    body = {
+        "model": app.model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "stream": True,
+        "return_token_ids": True,
+    } | fields
+    http_ids: list[int] = []
+    async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices") or ():
+                        http_ids += choice.get("token_ids") or []
+    assert len(http_ids) == 24
+    assert result.token_ids == http_ids
+
+
+async def test_a_cancelled_call_leaves_the_engine_within_a_second(app, stub, one_replica):
+    await in_flight_reaches_zero(one_replica, within_s=30.0)
+    stream = stub.ChatCompletion(story(app.model, **LONG))
+    async for response in stream:
+        if response.choices:
+            break
+    assert await one_replica.in_flight.remote() == 1  # under way in the engine (900 tokens take seconds)
+    stream.cancel()
+    took = await in_flight_reaches_zero(one_replica, within_s=1.0)
+    start = time.monotonic()
+    after = await call(stub.ChatCompletion, story(app.model, max_tokens=32, ignore_eos=True))
+    assert after.code == grpc.StatusCode.OK and after.final.usage.completion_tokens == 32
+    print(f"engine empty {took:.3f} s after the cancel; a 32-token call after it took {time.monotonic() - start:.3f} s")
+
+
+async def test_an_expired_deadline_is_deadline_exceeded_and_leaves_the_engine(app, stub, one_replica):
+    await in_flight_reaches_zero(one_replica, within_s=30.0)
+    result = await call(stub.ChatCompletion, story(app.model, **LONG), timeout=1.0)
+    assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED, (result.code, result.details)
+    took = await in_flight_reaches_zero(one_replica, within_s=2.0)
+    print(f"engine empty {took:.3f} s after the deadline")
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "param"),
+    [
+        ({"temperature": 5.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ({"max_tokens": 1_000_000}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+        ({"messages": [pb.Message(role="robot", content="hi")]}, grpc.StatusCode.INVALID_ARGUMENT, "messages.0.role"),
+        ({"messages": []}, grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        ({"model": "gpt-4"}, grpc.StatusCode.NOT_FOUND, "model"),
+    ],
+)
+async def test_bad_requests_are_refused_with_the_status_and_the_field(app, stub, fields, code, param):
+    request = story(app.model)
+    for name, value in fields.items():
+        request.ClearField(name)
+        if isinstance(value, list):
+            getattr(request, name).extend(value)
+        else:
+            setattr(request, name, value)
+    result = await call(stub.ChatCompletion, request)
+    assert result.code == code, (result.code, result.details)
+    ends_once(result)
+    assert result.final.error.param == param and result.final.error.status == code.value[0]
+    assert param.split(".")[0] in result.details
+
+
+async def test_health_service_and_reflection(app):
+    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "glm4serve.v1.Generation"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        services = set()
+        async for answer in reflection.ServerReflectionInfo(iter([request])):
+            services |= {s.name for s in answer.list_services_response.service}
+        assert {"glm4serve.v1.Generation", "grpc.health.v1.Health"} <= services, services
