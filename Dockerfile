@@ -27,6 +27,6 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation .
 
 VOLUME ["/models"]
 
-# 8000: Serve HTTP; 8265: Ray dashboard; 6379: Ray GCS; 8080: Prometheus metrics.
-EXPOSE 8000 8265 6379 8080
+# 8000: Serve HTTP; 9000: Serve gRPC; 8265: Ray dashboard; 6379: Ray GCS; 8080: Prometheus metrics.
+EXPOSE 8000 9000 8265 6379 8080
 CMD ["serve", "run", "deploy/config.single-gpu.yaml"]

@@ -3,6 +3,8 @@
     python -m benchmarks.load --url http://127.0.0.1:8000 --model glm-4-9b-chat \\
         --concurrency 1 16 64 --input-tokens 32 --output-tokens 64 --out bench.json --plot bench.png
 
+``--protocol grpc`` sends the same load to this app's gRPC API (``--grpc-target``) instead.
+
 Every request streams a fixed number of output tokens (``ignore_eos``) from a
 prompt of fixed length, so runs compare like with like. Per request it records
 time to first token, the gaps between chunks, time per output token and the
@@ -19,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -59,8 +61,8 @@ class Progress:
         sys.stderr.flush()
 
 
-async def timed(client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
-    record = await stream_once(client, workload)
+async def timed(clients: ClientPool, client: Any, workload: Workload) -> RequestRecord:
+    record = await clients.stream_once(client, workload)
     if record.ok and record.output_tokens != workload.output_tokens:
         record.ok = False
         record.error = f"{record.output_tokens} output tokens, asked for {workload.output_tokens}"
@@ -90,18 +92,41 @@ class Clients:
     def release(self, client: httpx.AsyncClient) -> None:
         self.idle.append(client)
 
+    async def stream_once(self, client: httpx.AsyncClient, workload: Workload) -> RequestRecord:
+        return await stream_once(client, workload)
+
     async def aclose(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.all))
 
 
-async def run_load(clients: Clients, workload: Workload, load: Load, seed: int = 0) -> list[RequestRecord]:
+class ClientPool(Protocol):
+    """Idle clients of one protocol: :class:`Clients` (HTTP) or :class:`benchmarks.grpc_client.GRPCClients`."""
+
+    def acquire(self) -> Any: ...
+
+    def release(self, client: Any) -> None: ...
+
+    async def stream_once(self, client: Any, workload: Workload) -> RequestRecord: ...
+
+    async def aclose(self) -> None: ...
+
+
+def client_pool(protocol: str, url: str, grpc_target: str, api_key: str | None) -> ClientPool:
+    if protocol == "grpc":
+        from benchmarks.grpc_client import GRPCClients
+
+        return GRPCClients(grpc_target, api_key)
+    return Clients(url, {"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+
+async def run_load(clients: ClientPool, workload: Workload, load: Load, seed: int = 0) -> list[RequestRecord]:
     progress = Progress(load.label(), load.requests)
     records: list[RequestRecord] = []
 
     async def one() -> None:
         client = clients.acquire()
         try:
-            record = await timed(client, workload)
+            record = await timed(clients, client, workload)
         finally:
             clients.release(client)
         records.append(record)
@@ -126,9 +151,16 @@ async def run_load(clients: Clients, workload: Workload, load: Load, seed: int =
     return records
 
 
-async def run(url: str, workload: Workload, loads: list[Load], api_key: str | None, warmup: int) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    clients = Clients(url, headers)
+async def run(
+    url: str,
+    workload: Workload,
+    loads: list[Load],
+    api_key: str | None,
+    warmup: int,
+    protocol: str = "http",
+    grpc_target: str = "127.0.0.1:9000",
+) -> dict[str, Any]:
+    clients = client_pool(protocol, url, grpc_target, api_key)
     try:
         if warmup:
             await run_load(clients, workload, Load(requests=warmup, concurrency=1))
@@ -140,7 +172,7 @@ async def run(url: str, workload: Workload, loads: list[Load], api_key: str | No
             levels.append(summary | {"records": [record_dict(r) for r in records]})
     finally:
         await clients.aclose()
-    return {"url": url, "workload": workload.__dict__, "levels": levels}
+    return {"url": url, "protocol": protocol, "workload": workload.__dict__, "levels": levels}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -165,6 +197,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server (no /v1)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--api-key", help="sent as a Bearer token")
+    parser.add_argument(
+        "--protocol",
+        choices=["http", "grpc"],
+        default="http",
+        help="HTTP/SSE at --url, or the gRPC API at --grpc-target",
+    )
+    parser.add_argument("--grpc-target", default="127.0.0.1:9000", help="host:port of the gRPC API")
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--input-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -187,7 +226,8 @@ def levels_from(args: argparse.Namespace) -> list[Load]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     workload = Workload(args.model, args.input_tokens, args.output_tokens, args.endpoint)
-    result = asyncio.run(run(args.url, workload, levels_from(args), args.api_key, args.warmup))
+    loads = levels_from(args)
+    result = asyncio.run(run(args.url, workload, loads, args.api_key, args.warmup, args.protocol, args.grpc_target))
     print_table(result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,7 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
         "id": record.request_id,
         "model": record.model,
         "endpoint": record.endpoint,
+        "protocol": record.protocol,
         "stream": record.stream,
         "status": record.status,
         "error": record.error_code,

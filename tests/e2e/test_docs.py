@@ -1,4 +1,4 @@
-"""The README's calls, run as written against the running app (only its address differs)."""
+"""The README's calls and docs/grpc.md's client, run as written against the running app (only its address differs)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from tests.doc_blocks import block_starting
 
 README_URL = "http://127.0.0.1:8000"
+GRPC_DOC_TARGET = "localhost:9000"
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:
@@ -36,3 +37,13 @@ async def test_the_readmes_openai_client_streams_an_answer_without_error(app):
     # It printed the answer's text as it streamed (the tiny model's noise, empty when its first
     # token is a stop token), and the SDK met nothing it could not parse.
     assert done.stderr == ""
+
+
+async def test_the_grpc_docs_client_streams_an_answer_and_its_final_response(app):
+    code = block_starting("docs/grpc.md", "import asyncio").text.replace(GRPC_DOC_TARGET, app.grpc_target)
+    done = await asyncio.to_thread(run, [sys.executable, "-c", code])
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    # The final response's line: a finish reason and the tokens (the tiny model may stop early).
+    *_, reason, count, unit = done.stdout.split()
+    assert reason in ("stop", "length") and 0 < int(count) <= 64 and unit == "tokens", done.stdout
+    assert "failed:" not in done.stdout

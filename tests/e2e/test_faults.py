@@ -4,17 +4,21 @@ deployment replaces the replica. Runs with the other tests that disturb the app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import grpc
 import httpx
 import psutil
 import pytest
 import yaml
 
+from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
 from tests.e2e.serve_state import a_busy_replica, death_reason, replica_engines
 from tests.e2e.serve_state import wait_until as serve_wait_until
@@ -23,6 +27,7 @@ from tests.e2e.telemetry import scrape, total, wait_until
 pytestmark = [pytest.mark.disruptive, pytest.mark.timeout(600)]
 
 STREAMS = 8
+GRPC_STREAMS = 4  # beside the HTTP streams in the engine-death test
 
 
 def long_story(model: str) -> dict:
@@ -87,6 +92,43 @@ async def seconds_until_answers_resume(app) -> float:
     return time.monotonic() - start
 
 
+@dataclass
+class GRPCStream:
+    code: grpc.StatusCode
+    responses: list  # every response, the final one last
+
+
+async def grpc_story(app) -> GRPCStream:
+    request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="A long story.")])
+    request.max_tokens = request.min_tokens = 900
+    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+        call = pb_grpc.GenerationStub(channel).ChatCompletion(request)
+        responses = []
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for response in call:
+                responses.append(response)
+        return GRPCStream(await call.code(), responses)
+
+
+def check_grpc_calls(calls: list[GRPCStream]) -> int:
+    """gRPC streams beside the HTTP ones: each ends with one final response; one the engine's death cut
+    carries the error, and the call ends INTERNAL. Returns how many ended engine_failed (each an engine failure)."""
+    cut = 0
+    for call in calls:
+        final = call.responses[-1]
+        assert [r.final for r in call.responses].count(True) == 1 and final.final
+        if call.code == grpc.StatusCode.OK:
+            assert final.usage.completion_tokens == 900 and [c.finish_reason for c in final.choices] == ["length"]
+        elif call.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            assert final.error.code in ("unavailable", "first_token_timeout", "request_timeout"), final.error
+        else:
+            assert (call.code, final.error.code) == (grpc.StatusCode.INTERNAL, "engine_failed"), final.error
+            cut += any(c.content for r in call.responses[:-1] for c in r.choices)
+    assert cut >= 1, f"no gRPC stream was under way when the engine died: {[c.code for c in calls]}"
+    print(f"{cut} of {len(calls)} gRPC streams were cut by the engine's death, each with a final error response")
+    return sum(1 for call in calls if call.responses[-1].error.code == "engine_failed")
+
+
 def engine_failures(metrics_url: str) -> float:
     return total(scrape(metrics_url), f"ray_{metrics.ENGINE_FAILURES}_total")
 
@@ -109,7 +151,9 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             engine.send_signal(signal.SIGKILL)
         await asyncio.to_thread(lambda: [engine.wait(timeout=30) for engine in engines])
 
+    calls = [asyncio.create_task(grpc_story(app)) for _ in range(GRPC_STREAMS)]
     streams = await streams_through(app, kill)
+    calls_failed = check_grpc_calls(await asyncio.gather(*calls))
 
     # Each stream had finished in full before the kill, or was cut and says so (a final
     # error event), or was in the engine before its first token and got one explicit error
@@ -129,7 +173,7 @@ async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recove
             cut += stream.status == 200
     assert cut >= 1, f"no stream was under way when the engine died: {[(s.status, s.events[-1:]) for s in streams]}"
     print(f"{cut} of {len(streams)} streams were cut by the engine's death, each with an error event")
-    failed = sum(1 for stream in streams if stream.error and stream.error["code"] == "engine_failed")
+    failed = sum(1 for stream in streams if stream.error and stream.error["code"] == "engine_failed") + calls_failed
     await asyncio.to_thread(  # each is counted once (Ray exports metrics every few seconds)
         wait_until,
         lambda: engine_failures(metrics_url) - counted_before == failed,

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
 
+import grpc
 import httpx
 import pytest
 import yaml
 
 from benchmarks.client import carries_tokens
 from serve_app.config import parse_app_config
+from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
 from tests.e2e.serve_state import replica_engines, stopped
 from tests.e2e.streams import LONG, chat, in_flight_reaches_zero, open_streams
@@ -226,11 +230,67 @@ BURST = 480  # far above one replica's 64 running + 256 queued
 # 60 s request limit even while the burst's own scale-out loads a second engine (at 32
 # tokens a CI rehearsal saw some of them pass it: 504).
 BURST_TOKENS = 24
+GRPC_CALLS = 16  # sent while the queue is full
+
+
+async def grpc_refusals_while_the_queue_is_full(app) -> int:
+    """gRPC calls while HTTP requests fill the engine (64 long answers) and its queue (256): each is
+    refused with RESOURCE_EXHAUSTED, the retry hint and one final response, while the long answers
+    still run (so nothing waited for room). A gRPC burst of its own does not fill the queue here:
+    the proxy relaying its streams on 2 cores admits calls slower than the engine ends them.
+    Returns how many requests were refused, the probe that found the queue full included."""
+    held = 64 + 256
+    limits = httpx.Limits(max_connections=held + 8, max_keepalive_connections=held + 8)
+    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
+        filling = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=chat(app.model, **LONG))) for _ in range(held)
+        ]
+        try:
+            # (The engine's count cannot be read meanwhile: a full replica admits no handle call.)
+            start = time.monotonic()
+            probe = chat(app.model, max_tokens=8)
+            while True:  # until a probe is refused; one that waits in the queue is abandoned after 2 s
+                with contextlib.suppress(httpx.TimeoutException):
+                    if (await client.post("/v1/chat/completions", json=probe, timeout=2)).status_code == 429:
+                        break
+                assert time.monotonic() - start < 60, "the queue never filled"
+            request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="Hi.")])
+            request.max_tokens = 8
+            async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+                stub = pb_grpc.GenerationStub(channel)
+
+                async def one_call() -> tuple[grpc.StatusCode, float, list, dict]:
+                    began = time.monotonic()
+                    stream = stub.ChatCompletion(request)
+                    responses = []
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        async for response in stream:
+                            responses.append(response)
+                    trailing = dict(await stream.trailing_metadata() or ())
+                    return await stream.code(), time.monotonic() - began, responses, trailing
+
+                calls = await asyncio.gather(*(one_call() for _ in range(GRPC_CALLS)))
+            assert not any(task.done() for task in filling), "a long answer ended: the queue could have drained"
+        finally:
+            for task in filling:
+                task.cancel()
+            await asyncio.gather(*filling, return_exceptions=True)
+    for code, _, responses, trailing in calls:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
+        assert [(r.final, r.error.code) for r in responses] == [(True, "overloaded")]  # one final response
+        assert (trailing["retry-after"], trailing["grpc-retry-pushback-ms"]) == ("1", "1000")
+    print(f"{GRPC_CALLS} gRPC calls against a full queue: slowest RESOURCE_EXHAUSTED {max(c[1] for c in calls):.3f} s")
+    return GRPC_CALLS + 1  # and the HTTP probe that found the queue full
 
 
 @pytest.mark.disruptive  # it scales the deployment out
 async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, one_replica, metrics_url):
+    """Past the queue, each refusal is quick (a 429, or for a gRPC call RESOURCE_EXHAUSTED with the
+    same retry hint and one final response) and the rest complete."""
     rejected_before = counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded")
+    # First, while one replica serves (the burst scales the deployment out):
+    calls_refused = await grpc_refusals_while_the_queue_is_full(app)
+    await in_flight_reaches_zero(one_replica, within_s=30.0)
     limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=BURST)
     async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
 
@@ -258,13 +318,12 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, o
         )
         await in_flight_reaches_zero(one_replica, within_s=5.0)
         assert await timed_chat(client, app.model, 8) > 0  # answers normally right after
-    # Every 429 the clients saw is counted as rejected because the queue was full.
+    rejected = len(refused) + calls_refused
+    # Every 429 and RESOURCE_EXHAUSTED the clients saw is counted as rejected because the queue was full.
     wait_until(
         lambda: counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded") - rejected_before
-        >= len(refused),
+        >= rejected,
         within_s=60,
-        what=f"the rejected-requests counter grows by {len(refused)}",
+        what=f"the rejected-requests counter grows by {rejected}",
     )
-    assert counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded") - rejected_before == len(
-        refused
-    )
+    assert counted(metrics_url, metrics.REJECTED, model=app.model, reason="overloaded") - rejected_before == rejected

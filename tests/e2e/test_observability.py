@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 
+import grpc
 import httpx
+import ray
 
+from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
+from tests.e2e.serve_state import request_log_lines
 from tests.e2e.telemetry import scrape, settled, total, wait_until
 
 TOKENS = 16
@@ -103,3 +109,53 @@ async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(
     assert replica.attributes["gen_ai.usage.output_tokens"] == TOKENS
     assert replica.attributes["gen_ai.response.finish_reasons"] == ["length"]
     assert 0 < replica.attributes["llm.time_to_first_token_s"] <= ingress.attributes["llm.time_to_first_token_s"]
+
+
+async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(app, metrics_url, otlp_collector):
+    """The same record: counters and histograms under protocol="grpc", the request's log line, and a span
+    in the client's trace (``traceparent`` metadata) with the replica's span under it."""
+    before = settled(metrics_url, f"ray_{metrics.REQUESTS}_total")
+    trace_id, client_span, request_id = secrets.token_hex(16), secrets.token_hex(8), uuid.uuid4().hex
+    metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"), ("request_id", request_id))
+    request = pb.ChatCompletionRequest(
+        model=app.model, messages=[pb.Message(role="user", content="Count to twenty.")], max_tokens=TOKENS
+    )
+    request.min_tokens = TOKENS
+    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+        responses = [r async for r in pb_grpc.GenerationStub(channel).ChatCompletion(request, metadata=metadata)]
+    final = responses[-1]
+    assert final.final and final.usage.completion_tokens == TOKENS
+
+    grpc_labels = {"protocol": "grpc"}
+    expected = {
+        (metrics.REQUESTS + "_total", (("status", "200"), ("endpoint", "chat"))): 1,
+        (metrics.TIME_TO_FIRST_TOKEN + "_count", ()): 1,
+        (metrics.COMPLETION_TOKENS + "_total", ()): TOKENS,
+    }
+
+    def grown(samples, name: str, labels: tuple) -> float:
+        wanted = dict(labels) | grpc_labels
+        return serving(samples, name, app.model, **wanted) - serving(before, name, app.model, **wanted)
+
+    def counted():
+        samples = scrape(metrics_url)
+        return samples if all(grown(samples, *key) >= want for key, want in expected.items()) else None
+
+    samples = wait_until(counted, within_s=60, what=f"gRPC metrics grow by {expected}")
+    assert {key: grown(samples, *key) for key in expected} == expected
+
+    def spans():
+        names = {span.name: span for span in otlp_collector.trace(trace_id)}
+        return names if {"glm4serve.v1.Generation/ChatCompletion", f"chat {app.model}"} <= set(names) else None
+
+    found = wait_until(spans, within_s=30, what=f"ingress and replica spans of trace {trace_id}")
+    ingress, replica = found["glm4serve.v1.Generation/ChatCompletion"], found[f"chat {app.model}"]
+    assert ingress.parent_span_id == client_span and replica.parent_span_id == ingress.span_id
+    assert ingress.attributes["rpc.grpc.status_code"] == 0 and ingress.attributes["rpc.system"] == "grpc"
+
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    line = wait_until(
+        lambda: request_log_lines(session_dir).get(request_id), within_s=30, what=f"the log line of {request_id}"
+    )
+    assert (line["protocol"], line["status"], line["completion_tokens"]) == ("grpc", 200, TOKENS)
+    assert final.id == f"chatcmpl-{line['id']}"

@@ -19,12 +19,15 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 import ray
 import yaml
 
+from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.serve_state import (
     DeploymentName,
     only_one_running,
@@ -97,6 +100,7 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(app, one_r
 
     await wait_until(lambda: _keys_required(app.url), timeout_s=60, what="requiring API keys")
     _check_keys_are_required(app)
+    await _check_grpc_calls_need_a_key(app)
     await _check_rotation(app, keys_file)
     _check_no_key_is_logged(app)
 
@@ -120,6 +124,24 @@ def _check_keys_are_required(app) -> None:
     with openai.OpenAI(base_url=f"{app.url}/v1", api_key="sk-e2e-wrong", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+
+
+async def _check_grpc_calls_need_a_key(app) -> None:
+    """gRPC: the same keys from ``authorization`` metadata; UNAUTHENTICATED (and a final error response) without one."""
+    request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="hi")], max_tokens=8)
+    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for metadata in ((), (("authorization", "Bearer sk-e2e-wrong"),)):
+            call = stub.ChatCompletion(request, metadata=metadata)
+            responses = []
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for response in call:
+                    responses.append(response)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+            assert [r.error.code for r in responses if r.final] == ["invalid_api_key"]
+            assert "sk-e2e" not in refused.value.details()
+        responses = [r async for r in stub.ChatCompletion(request, metadata=(("authorization", f"Bearer {KEYS[1]}"),))]
+        assert responses[-1].final and responses[-1].usage.completion_tokens > 0
 
 
 async def _check_rotation(app, keys_file: Path) -> None:

@@ -20,6 +20,7 @@ RUN_BY = {
     ("README.md", "curl -N"): "tests/e2e/test_docs.py",
     ("README.md", "from openai import OpenAI"): "tests/e2e/test_docs.py",
     ("docs/performance.md", ".venv/bin/python -c"): "tests/unit/test_docs.py",
+    ("docs/grpc.md", "import asyncio"): "tests/e2e/test_docs.py",
 }
 
 

@@ -273,3 +273,19 @@ def test_the_weights_job_and_the_gpu_workers_wait_name_the_checkpoints_served(na
         assert command[:3] == ["python", "-m", "serve_app.model_download"] and command[3:-1] == mode
         config = yaml.safe_load((K8S.parent / command[-1]).read_text())  # the image's WORKDIR holds deploy/
         assert checkpoints(config) == served
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_the_grpc_port_is_served_exposed_and_bounded_like_the_http_port(name):
+    """The serve config's gRPC port is on the clients' Service and on every Ray container (each may run a
+    proxy), and the proxy's largest message is the ingress's largest body (Ray's default is 2 GiB)."""
+    (rayservice,) = rayservices(name)
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    port = serve_config["grpc_options"]["port"]
+    service_ports = {p["name"]: p for p in rayservice["spec"]["serveService"]["spec"]["ports"]}
+    assert (service_ports["grpc"]["port"], service_ports["grpc"]["appProtocol"]) == (port, "grpc")
+    limit = str(parse_app_config(app_args(rayservice)).ingress.max_request_body_bytes)
+    for template in pod_templates(rayservice):
+        (ray,) = [c for c in template["spec"]["containers"] if c["name"].startswith("ray-")]
+        assert {"name": "grpc", "containerPort": port} in ray["ports"], ray["name"]
+        assert {"name": "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "value": limit} in ray["env"], ray["name"]

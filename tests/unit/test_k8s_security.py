@@ -112,9 +112,10 @@ RAY_PORTS = [6379, 10001, 8265, 52365, 8080, 43521, 10002]
 
 # (who, port, admitted)
 REACHABILITY = [
-    *[(Peer(APP_NAMESPACE, RAY_POD), port, True) for port in [*RAY_PORTS, 8000]],
+    *[(Peer(APP_NAMESPACE, RAY_POD), port, True) for port in [*RAY_PORTS, 8000, 9000]],
     *[(Peer("elsewhere"), port, False) for port in RAY_PORTS],
     (Peer("elsewhere"), 8000, True),
+    (Peer("elsewhere"), 9000, True),
     # The app's label alone, or a Ray pod of another namespace, is not one of this cluster's pods.
     *[(Peer(APP_NAMESPACE, {"app.kubernetes.io/part-of": "glm4-serve"}), port, False) for port in RAY_PORTS],
     *[(Peer("elsewhere", RAY_POD), port, False) for port in RAY_PORTS],
@@ -138,7 +139,7 @@ def case_id(case: tuple[Peer, int, bool]) -> str:
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 @pytest.mark.parametrize(("peer", "port", "admitted"), REACHABILITY, ids=[case_id(c) for c in REACHABILITY])
 def test_each_port_is_open_to_its_peers_only(name, peer, port, admitted):
-    """Ray's ports to this namespace's Ray pods; 8000 to clients; 8265 to the operator; 8080 to Prometheus."""
+    """Ray's ports to this namespace's Ray pods; 8000 and 9000 to clients; 8265 to the operator; 8080 to Prometheus."""
     assert admits(network_policy(name), peer, port) is admitted
 
 
