@@ -37,6 +37,7 @@ class ServerCommand:
     cwd: Path
     url: str
     health_path: str
+    grpc_target: str | None = None  # this app's gRPC API, host:port
 
 
 def free_port() -> int:
@@ -94,8 +95,10 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
     mid-run); no keys, because bare vLLM is measured without them.
     """
     application, entry = app_entry(config, model)
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     pinned = dict(config, http_options=dict(config.get("http_options") or {}, host="127.0.0.1", port=port))
+    if "grpc_options" in config:
+        pinned["grpc_options"] = dict(config["grpc_options"], port=grpc_port)
     app = dict(application, args=dict(application["args"]))
     app["args"]["models"] = [pin_one_replica(entry)]
     ingress = {k: v for k, v in (app["args"].get("ingress") or {}).items() if k != "api_keys"}
@@ -104,7 +107,8 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(pinned, sort_keys=False))
     serve = Path(sys.executable).with_name("serve")
-    return ServerCommand("this app", [str(serve), "run", str(path)], {}, cwd, f"http://127.0.0.1:{port}", "/health")
+    url, grpc_target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}" if "grpc_options" in config else None
+    return ServerCommand("this app", [str(serve), "run", str(path)], {}, cwd, url, "/health", grpc_target)
 
 
 def pin_one_replica(entry: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,9 @@ p50, delivered tokens/s against what the timing model allows, and CPU seconds pe
 delivered tokens of every process of the side (read from the OS: Serve proxy, ingress replica,
 model replica, controller, Ray's daemons; vLLM's one process), plus the load client's own.
 Prints a table and the goals of issue 22, writes JSON and a PNG.
+
+``--app-only --app-protocols http grpc --endpoint chat`` measures this app alone over HTTP and
+then over its gRPC API, on the same load and the same running app (app.json, app-grpc.json).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import psutil
 import yaml
 
 from benchmarks.client import Workload
-from benchmarks.load import Clients, Load, run_load
+from benchmarks.load import ClientPool, Load, client_pool, run_load
 from benchmarks.records import record_dict, summarize
 from benchmarks.servers import ServerCommand, app_entry, running, simulated_vllm, this_app
 from serve_app.config import SimulatedEngineConfig
@@ -113,17 +116,27 @@ def allowed_tokens_per_s(settings: SimulatedEngineConfig, max_num_seqs: int, str
 
 
 def measure(
-    server: ServerCommand, workload: Workload, loads: list[Load], log: Path, allowed: Callable[[int], float]
-) -> dict[str, Any]:
+    server: ServerCommand,
+    workload: Workload,
+    loads: list[Load],
+    log: Path,
+    allowed: Callable[[int], float],
+    protocols: tuple[str, ...] = ("http",),
+) -> dict[str, dict[str, Any]]:
+    """Each protocol's levels, one after the other on the same running server."""
     print(f"\n== {server.name} (log: {log})", flush=True)
+    results = {}
     with running(server, log) as process:  # (serve run's process tree holds its whole local Ray cluster)
-        return asyncio.run(measure_levels(server.url, process.pid, workload, loads, allowed))
+        for protocol in protocols:
+            clients = client_pool(protocol, server.url, server.grpc_target or "", None)
+            results[protocol] = asyncio.run(measure_levels(clients, process.pid, workload, loads, allowed))
+            results[protocol] |= {"url": server.url, "protocol": protocol}
+    return results
 
 
 async def measure_levels(
-    url: str, pid: int, workload: Workload, loads: list[Load], allowed: Callable[[int], float]
+    clients: ClientPool, pid: int, workload: Workload, loads: list[Load], allowed: Callable[[int], float]
 ) -> dict[str, Any]:
-    clients = Clients(url, {})
     levels = []
     try:
         await run_load(clients, workload, Load(requests=4, concurrency=1))  # warm up
@@ -148,7 +161,7 @@ async def measure_levels(
             levels.append(summary | {"records": [record_dict(r) for r in records]})
     finally:
         await clients.aclose()
-    return {"url": url, "workload": workload.__dict__, "levels": levels}
+    return {"workload": workload.__dict__, "levels": levels}
 
 
 def level_at(result: dict[str, Any], concurrency: int) -> dict[str, Any]:
@@ -257,6 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--app-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment of this app's processes"
     )
+    parser.add_argument(
+        "--app-protocols",
+        nargs="+",
+        choices=["http", "grpc"],
+        default=["http"],
+        help="measure this app over each, one after the other (gRPC: app-grpc.json; compare on --endpoint chat)",
+    )
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     _, entry = app_entry(config, None)
@@ -264,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{args.config}: the model has no simulated_engine section")
     settings = SimulatedEngineConfig.model_validate(entry["simulated_engine"] or {})
     max_num_seqs = entry["engine_args"]["max_num_seqs"]
-    workload = Workload(entry["name"], args.input_tokens, args.output_tokens)
+    workload = Workload(entry["name"], args.input_tokens, args.output_tokens, args.endpoint)
+    protocols = tuple(args.app_protocols)
     loads = [Load(requests=args.requests or max(16, 2 * c), concurrency=c) for c in args.concurrency]
 
     def allowed(streams: int) -> float:
@@ -277,14 +299,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         app_server = this_app(config, None, workdir, REPO)
         app_server = replace(app_server, env=app_server.env | dict(pair.split("=", 1) for pair in args.app_env))
         if args.app_only:
-            app = measure(app_server, workload, loads, logs / "app.log", allowed)
-            print_levels(f"this app {' '.join(args.app_env)}", app)
-            if args.out_dir:
-                (args.out_dir / "app.json").write_text(json.dumps(app, indent=1))
-            return {"app": app}
-        vllm = measure(simulated_vllm(config, None, workdir, REPO), workload, loads, logs / "vllm.log", allowed)
+            by_protocol = measure(app_server, workload, loads, logs / "app.log", allowed, protocols)
+            for protocol, result in by_protocol.items():
+                print_levels(f"this app over {protocol} {' '.join(args.app_env)}", result)
+                if args.out_dir:
+                    name = "app.json" if protocol == "http" else f"app-{protocol}.json"
+                    (args.out_dir / name).write_text(json.dumps(result, indent=1))
+            return {"app": by_protocol.get("http"), "app_by_protocol": by_protocol}
+        vllm = measure(simulated_vllm(config, None, workdir, REPO), workload, loads, logs / "vllm.log", allowed)["http"]
         print_levels("vLLM's front end", vllm)
-        app = measure(app_server, workload, loads, logs / "app.log", allowed)
+        app = measure(app_server, workload, loads, logs / "app.log", allowed)["http"]
         print_levels("this app (one model replica, one ingress replica)", app)
     rows = goals(vllm, app)
     print_levels("vLLM's front end", vllm)

@@ -99,6 +99,7 @@ def test_both_servers_get_the_configs_engine_args_and_environment(tmp_path):
     served = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())
     args = served["applications"][0]["args"]
     assert served["http_options"]["port"] == int(app.url.rsplit(":", 1)[1])
+    assert app.grpc_target is not None and served["grpc_options"]["port"] == int(app.grpc_target.rsplit(":", 1)[1])
     assert args["models"][0]["engine_args"] == entry["engine_args"]
     for deployment in (args["models"][0]["deployment"], args["ingress"]["deployment"]):
         assert deployment["num_replicas"] == 1 and "autoscaling_config" not in deployment
