@@ -4,7 +4,6 @@ deployment replaces the replica. Runs with the other tests that disturb the app.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import time
@@ -20,6 +19,7 @@ import yaml
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
+from tests.e2e.grpc_calls import Call, call, ends_once
 from tests.e2e.serve_state import a_busy_replica, death_reason, replica_engines
 from tests.e2e.serve_state import wait_until as serve_wait_until
 from tests.e2e.telemetry import scrape, total, wait_until
@@ -92,41 +92,30 @@ async def seconds_until_answers_resume(app) -> float:
     return time.monotonic() - start
 
 
-@dataclass
-class GRPCStream:
-    code: grpc.StatusCode
-    responses: list  # every response, the final one last
-
-
-async def grpc_story(app) -> GRPCStream:
+async def grpc_story(app) -> Call:
     request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="A long story.")])
     request.max_tokens = request.min_tokens = 900
     async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        call = pb_grpc.GenerationStub(channel).ChatCompletion(request)
-        responses = []
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            async for response in call:
-                responses.append(response)
-        return GRPCStream(await call.code(), responses)
+        return await call(pb_grpc.GenerationStub(channel).ChatCompletion, request)
 
 
-def check_grpc_calls(calls: list[GRPCStream]) -> int:
+def check_grpc_calls(calls: list[Call]) -> int:
     """gRPC streams beside the HTTP ones: each ends with one final response; one the engine's death cut
     carries the error, and the call ends INTERNAL. Returns how many ended engine_failed (each an engine failure)."""
     cut = 0
-    for call in calls:
-        final = call.responses[-1]
-        assert [r.final for r in call.responses].count(True) == 1 and final.final
-        if call.code == grpc.StatusCode.OK:
+    for result in calls:
+        ends_once(result)
+        final = result.final
+        if result.code == grpc.StatusCode.OK:
             assert final.usage.completion_tokens == 900 and [c.finish_reason for c in final.choices] == ["length"]
-        elif call.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        elif result.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             assert final.error.code in ("unavailable", "first_token_timeout", "request_timeout"), final.error
         else:
-            assert (call.code, final.error.code) == (grpc.StatusCode.INTERNAL, "engine_failed"), final.error
-            cut += any(c.content for r in call.responses[:-1] for c in r.choices)
+            assert (result.code, final.error.code) == (grpc.StatusCode.INTERNAL, "engine_failed"), final.error
+            cut += any(c.content for r in result.responses[:-1] for c in r.choices)
     assert cut >= 1, f"no gRPC stream was under way when the engine died: {[c.code for c in calls]}"
     print(f"{cut} of {len(calls)} gRPC streams were cut by the engine's death, each with a final error response")
-    return sum(1 for call in calls if call.responses[-1].error.code == "engine_failed")
+    return sum(1 for result in calls if result.final.error.code == "engine_failed")
 
 
 def engine_failures(metrics_url: str) -> float:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -23,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from tests.e2e.grpc_calls import call, ends_once
 from tests.e2e.streams import LONG, in_flight_reaches_zero
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
 
@@ -39,39 +39,6 @@ def story(model: str, **fields) -> pb.ChatCompletionRequest:
 async def stub(app) -> AsyncIterator[pb_grpc.GenerationStub]:
     async with grpc.aio.insecure_channel(app.grpc_target) as channel:
         yield pb_grpc.GenerationStub(channel)
-
-
-@dataclass
-class Call:
-    responses: list
-    code: grpc.StatusCode
-    details: str
-    trailing: dict[str, str]
-
-    @property
-    def final(self):
-        return self.responses[-1]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for r in self.responses for c in r.choices for t in c.token_ids]
-
-
-async def call(method, request, **kwargs) -> Call:
-    """Read a whole stream; its status and trailing metadata, OK or not."""
-    stream = method(request, **kwargs)
-    responses = []
-    try:
-        async for response in stream:
-            responses.append(response)
-    except grpc.aio.AioRpcError:
-        pass
-    return Call(responses, await stream.code(), await stream.details(), dict(await stream.trailing_metadata() or ()))
-
-
-def ends_once(result: Call) -> None:
-    finals = [r for r in result.responses if r.final]
-    assert len(finals) == 1 and result.final.final, [r.final for r in result.responses]
 
 
 async def test_concurrent_streams_each_deliver_their_max_tokens_and_one_final_response(app, stub):

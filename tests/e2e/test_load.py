@@ -18,6 +18,7 @@ from serve_app.config import parse_app_config
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
+from tests.e2e.grpc_calls import call
 from tests.e2e.serve_state import replica_engines, stopped
 from tests.e2e.streams import LONG, chat, in_flight_reaches_zero, open_streams
 from tests.e2e.telemetry import increase, scrape, settled, total, wait_until
@@ -258,28 +259,18 @@ async def grpc_refusals_while_the_queue_is_full(app) -> int:
             request.max_tokens = 8
             async with grpc.aio.insecure_channel(app.grpc_target) as channel:
                 stub = pb_grpc.GenerationStub(channel)
-
-                async def one_call() -> tuple[grpc.StatusCode, float, list, dict]:
-                    began = time.monotonic()
-                    stream = stub.ChatCompletion(request)
-                    responses = []
-                    with contextlib.suppress(grpc.aio.AioRpcError):
-                        async for response in stream:
-                            responses.append(response)
-                    trailing = dict(await stream.trailing_metadata() or ())
-                    return await stream.code(), time.monotonic() - began, responses, trailing
-
-                calls = await asyncio.gather(*(one_call() for _ in range(GRPC_CALLS)))
+                calls = await asyncio.gather(*(call(stub.ChatCompletion, request) for _ in range(GRPC_CALLS)))
             assert not any(task.done() for task in filling), "a long answer ended: the queue could have drained"
         finally:
             for task in filling:
                 task.cancel()
             await asyncio.gather(*filling, return_exceptions=True)
-    for code, _, responses, trailing in calls:
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
-        assert [(r.final, r.error.code) for r in responses] == [(True, "overloaded")]  # one final response
-        assert (trailing["retry-after"], trailing["grpc-retry-pushback-ms"]) == ("1", "1000")
-    print(f"{GRPC_CALLS} gRPC calls against a full queue: slowest RESOURCE_EXHAUSTED {max(c[1] for c in calls):.3f} s")
+    for result in calls:
+        assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.code
+        assert [(r.final, r.error.code) for r in result.responses] == [(True, "overloaded")]  # one final response
+        assert (result.trailing["retry-after"], result.trailing["grpc-retry-pushback-ms"]) == ("1", "1000")
+    slowest = max(result.seconds for result in calls)
+    print(f"{GRPC_CALLS} gRPC calls against a full queue: slowest RESOURCE_EXHAUSTED {slowest:.3f} s")
     return GRPC_CALLS + 1  # and the HTTP probe that found the queue full
 
 

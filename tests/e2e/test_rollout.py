@@ -28,6 +28,7 @@ import yaml
 
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from tests.e2e.grpc_calls import call
 from tests.e2e.serve_state import (
     DeploymentName,
     only_one_running,
@@ -132,14 +133,10 @@ async def _check_grpc_calls_need_a_key(app) -> None:
     async with grpc.aio.insecure_channel(app.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for metadata in ((), (("authorization", "Bearer sk-e2e-wrong"),)):
-            call = stub.ChatCompletion(request, metadata=metadata)
-            responses = []
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for response in call:
-                    responses.append(response)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
-            assert [r.error.code for r in responses if r.final] == ["invalid_api_key"]
-            assert "sk-e2e" not in refused.value.details()
+            refused = await call(stub.ChatCompletion, request, metadata=metadata)
+            assert refused.code == grpc.StatusCode.UNAUTHENTICATED, refused.details
+            assert [r.error.code for r in refused.responses] == ["invalid_api_key"]  # one final response
+            assert "sk-e2e" not in refused.details
         responses = [r async for r in stub.ChatCompletion(request, metadata=(("authorization", f"Bearer {KEYS[1]}"),))]
         assert responses[-1].final and responses[-1].usage.completion_tokens > 0
 
