@@ -10,7 +10,6 @@ lands there and imports itself from there.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,4 +41,3 @@ def build(out: Path) -> list[Path]:
 if __name__ == "__main__":
     written = build(REPO)
     print("\n".join(str(path.relative_to(REPO)) for path in written))
-    sys.exit(0)

@@ -17,7 +17,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from serve_app.errors import APIError, grpc_status
+from serve_app.errors import APIError, grpc_status, status_of
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.protocol import DONE_EVENT, Outcome
 
@@ -50,16 +50,12 @@ def _fields(message: Message) -> dict[str, Any]:
 
 def _value(descriptor: Any, value: Any) -> Any:
     if descriptor.message_type is None:
-        return list(value) if _is_repeated(descriptor) else value
+        return list(value) if descriptor.is_repeated else value
     if descriptor.message_type.full_name == "google.protobuf.Struct":
         return MessageToDict(value)
-    if _is_repeated(descriptor):
+    if descriptor.is_repeated:
         return [_fields(item) for item in value]
     return _fields(value)
-
-
-def _is_repeated(descriptor: Any) -> bool:
-    return bool(descriptor.is_repeated)
 
 
 @dataclass(frozen=True)
@@ -109,8 +105,6 @@ def error_message(error: APIError) -> pb.Error:
 
 def error_of_event(event: dict[str, Any]) -> APIError:
     """The :class:`APIError` an SSE error event stands for."""
-    from serve_app.errors import status_of
-
     error = event.get("error") or {}
     message = str(error.get("message") or "the answer failed")
     return APIError(status_of(error.get("type")), message, error.get("param"), error.get("code"))

@@ -24,6 +24,7 @@ HTTP header does.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -195,8 +196,6 @@ class GenerationService:
 
 def _error_of_reply(reply: Reply) -> APIError:
     """The error of a replica's whole-body refusal, with the Retry-After the HTTP API would send."""
-    import json
-
     error = error_of_event(json.loads(reply.body))
     error.status = reply.status
     if reply.status == 503:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,6 @@ class Call:
 
 async def call(method: Any, request: Any, **kwargs: Any) -> Call:
     """Read a whole stream; its status and trailing metadata, OK or not."""
-    import time
-
     started = time.monotonic()
     stream = method(request, **kwargs)
     responses = []
