@@ -121,6 +121,46 @@ class StreamBatchingConfig(_Strict):
         return min(self.max_tokens_per_chunk, 1 + held // self.requests_per_token)
 
 
+class PrefixRoutingConfig(_Strict):
+    """Route each request to the replica whose prefix cache holds its prompt's start, load first.
+
+    The rule and its defaults: docs/configuration.md ("Prefix-aware routing") and
+    :mod:`serve_app.prefix_routing.table`. Off: Serve's default router (power of two
+    choices on queue length).
+    """
+
+    enabled: bool = Field(default=True, description="Route by prompt prefix; false: Serve's default router.")
+    max_load_gap: int = Field(
+        default=16,
+        ge=0,
+        description="The replica holding a prompt's prefix gets the request unless it runs more than this many "
+        "requests beyond the least busy replica; then load decides (power of two choices).",
+    )
+    block_chars: int = Field(
+        default=64,
+        ge=8,
+        description="Characters of rendered prompt per remembered block (about 16 tokens, vLLM's KV block).",
+    )
+    max_blocks: int = Field(
+        default=200_000,
+        ge=1,
+        description="Blocks the router remembers in each ingress replica (least recently used forgotten first).",
+    )
+
+    def router_config(self, model: str, chat_template: str | None) -> dict[str, Any]:
+        """The deployment's ``request_router_config``: this app's router and its settings."""
+        return {
+            "request_router_class": "serve_app.prefix_routing.router:PrefixAffinityRouter",
+            "request_router_kwargs": {
+                "model": model,
+                "chat_template": chat_template,
+                "max_load_gap": self.max_load_gap,
+                "block_chars": self.block_chars,
+                "max_blocks": self.max_blocks,
+            },
+        }
+
+
 class SimulatedEngineConfig(_Strict):
     """Serve the model from a simulated engine in place of vLLM's engine core.
 
@@ -195,6 +235,7 @@ class ModelConfig(_Strict):
         "ingress.request_timeout_s.",
     )
     stream_batching: StreamBatchingConfig = Field(default_factory=StreamBatchingConfig)
+    prefix_routing: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
     simulated_engine: SimulatedEngineConfig | None = Field(
         default=None,
         description="Serve from a simulated engine at GPU speed instead of vLLM's (benchmarks on a machine "
@@ -250,6 +291,14 @@ class ModelConfig(_Strict):
         return validate_deployment_options(value)
 
     @model_validator(mode="after")
+    def _one_request_router(self) -> ModelConfig:
+        if self.prefix_routing.enabled and "request_router_config" in self.deployment:
+            raise ValueError(
+                "deployment.request_router_config replaces prefix routing: set prefix_routing.enabled: false with it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _concurrency_is_explicit(self) -> ModelConfig:
         # vLLM's default max_num_seqs depends on the hardware, so a replica's
         # concurrency limit cannot be matched to it without knowing it.
@@ -276,6 +325,10 @@ class ModelConfig(_Strict):
             options["max_ongoing_requests"] = self.engine_args["max_num_seqs"]
         if longest_answer_s is not None and "graceful_shutdown_timeout_s" not in options:
             options["graceful_shutdown_timeout_s"] = longest_answer_s
+        if self.prefix_routing.enabled:
+            options["request_router_config"] = self.prefix_routing.router_config(
+                self.name, self.engine_args.get("chat_template")
+            )
         return options
 
 

@@ -33,6 +33,12 @@ from serve_app.ingress.settings import IngressSettings
 from serve_app.observability import tracing
 from serve_app.observability.metrics import ServingMetrics
 
+# The model deployments' request router (prefix routing) is built on Serve's router thread,
+# and it renders prompts with transformers. Imported here first, on the replica's main thread:
+# transformers' lazy modules imported from two threads at once fail (ImportError in vLLM's own
+# import of transformers, seen at the ingress's start).
+from serve_app.prefix_routing import router as _prefix_router  # noqa: F401, E402
+
 
 def key_limits(config: AppConfig, rate_limiter: DeploymentHandle | None) -> KeyLimits | None:
     limits = config.ingress.rate_limits

@@ -22,6 +22,7 @@ from typing import Any
 from serve_app.errors import ENGINE_FAILED
 from serve_app.observability.gauges import KeptGauges, kept_gauges
 from serve_app.observability.record import Phase, RequestRecord
+from serve_app.prefix_routing.table import Decision
 
 # Names as exported (Ray adds the "ray_" prefix); the dashboard test reads them from here.
 TIME_TO_FIRST_TOKEN = "glm4_serve_time_to_first_token_seconds"
@@ -35,6 +36,8 @@ ABORTED = "glm4_serve_aborted_requests"
 ENGINE_FAILURES = "glm4_serve_engine_failures"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
+PREFIX_ROUTING_DECISIONS = "glm4_serve_prefix_routing_decisions"
+PREFIX_ROUTING_BLOCKS = "glm4_serve_prefix_routing_blocks"
 
 PROTOCOLS = ("http", "grpc")  # the protocol label: the front door a request came in by
 UNKNOWN_MODEL = "unknown"  # the model label of a request refused before its model was known
@@ -167,6 +170,40 @@ class ServingMetrics:
             self.e2e.observe(duration, tags=model)
 
 
+class PrefixRoutingMetrics:
+    """What a model deployment's prefix-affinity router decided, in the ingress replica it runs in.
+
+    ``decision`` is one of :class:`serve_app.prefix_routing.table.Decision`: ``affinity`` and
+    ``home`` went where the prompt's prefix is (or belongs), ``fallback`` went by load because
+    that replica was too busy, ``by_load`` had nothing to prefer.
+    """
+
+    DECISIONS = tuple(decision.value for decision in Decision)
+
+    def __init__(self, model: str, gauges: KeptGauges | None = None) -> None:
+        from ray.serve.metrics import Counter, Gauge
+
+        self._model = {"model": model}
+        self.decisions = Counter(
+            PREFIX_ROUTING_DECISIONS,
+            "Generation requests routed to a model replica, by how the prefix-affinity router chose it.",
+            tag_keys=("model", "decision"),
+        )
+        self.blocks = Gauge(
+            PREFIX_ROUTING_BLOCKS,
+            "Prompt-prefix blocks the router remembers replicas for (bounded by prefix_routing.max_blocks).",
+            tag_keys=("model",),
+        )
+        self._gauges = gauges or kept_gauges()
+        for decision in self.DECISIONS:
+            start_at_zero(self.decisions, self._model | {"decision": decision})
+        self._gauges.set(self.blocks, 0, self._model)
+
+    def routed(self, decision: str, blocks: int) -> None:
+        self.decisions.inc(tags=self._model | {"decision": decision})
+        self._gauges.set(self.blocks, blocks, self._model)
+
+
 def start_at_zero(counter: Any, tags: dict[str, str]) -> None:
     """Export ``counter`` with ``tags`` at 0 before its first event.
 
@@ -191,3 +228,9 @@ def exported_names() -> set[str]:
     names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
     names |= {f"ray_{c}_total" for c in counters}
     return names | {f"ray_{QUEUED}", f"ray_{RUNNING}"}
+
+
+def prefix_routing_names() -> set[str]:
+    """The sample names of :class:`PrefixRoutingMetrics` (exported by ingress replicas of an app
+    with a prefix-routed model)."""
+    return {f"ray_{PREFIX_ROUTING_DECISIONS}_total", f"ray_{PREFIX_ROUTING_BLOCKS}"}

@@ -57,7 +57,8 @@ MODEL_NAME = "glm-4-9b-chat"  # what the session app serves, and so the drain ap
 
 
 def drain_app(base: dict[str, Any]) -> dict[str, Any]:
-    """The session's application under another name and route, its two model replicas placed by SLOT.
+    """The session's application under another name and route, its two model replicas placed by SLOT
+    and chosen by load (Serve's default router).
 
     Engines stay frozen for seconds here, so their stall timeout and the first-token
     limit are longer than the session app's.
@@ -66,6 +67,9 @@ def drain_app(base: dict[str, Any]) -> dict[str, Any]:
     app["name"], app["route_prefix"] = "drain", "/drain"
     (model,) = app["args"]["models"]
     model["engine_stall_timeout_s"] = 100
+    # Its 16 identical streams must be shared by both replicas: by prefix they would all go to
+    # the one holding their prompt (up to prefix_routing.max_load_gap more than the other).
+    model["prefix_routing"] = {"enabled": False}
     deployment = model["deployment"]
     deployment.pop("autoscaling_config")
     deployment["num_replicas"] = 2

@@ -285,3 +285,44 @@ def test_remote_code_from_a_branch_or_tag_is_refused(pins, loose):
 )
 def test_remote_code_from_a_commit_or_a_local_directory_is_accepted(engine_args):
     parse_app_config(minimal(engine_args=engine_args | {"max_num_seqs": 8}))
+
+
+@pytest.mark.parametrize("config_file", SHIPPED)
+def test_every_shipped_config_caches_prefixes_and_routes_by_them(config_file):
+    (model,) = parse_app_config(app_args(config_file)).models
+    assert model.engine_args["enable_prefix_caching"] is True
+    assert model.engine_args["enable_prompt_tokens_details"] is True  # cached_tokens in each answer's usage
+    router = model.resolved_deployment()["request_router_config"]
+    assert router["request_router_class"] == "serve_app.prefix_routing.router:PrefixAffinityRouter"
+    assert router["request_router_kwargs"] | {"max_load_gap": None} == {
+        "model": "glm-4-9b-chat",
+        "chat_template": None,  # GLM-4's own, as the replicas render
+        "max_load_gap": None,
+        "block_chars": 64,
+        "max_blocks": 200_000,
+    }
+
+
+def test_prefix_routing_off_leaves_serves_default_router_and_a_router_of_ones_own_needs_it_off():
+    off = parse_app_config(minimal(prefix_routing={"enabled": False})).models[0]
+    assert "request_router_config" not in off.resolved_deployment()
+    own = {
+        "request_router_config": {
+            "request_router_class": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+        }
+    }
+    with pytest.raises(ConfigError, match="prefix_routing.enabled: false"):
+        parse_app_config(minimal(deployment=own))
+    kept = parse_app_config(minimal(deployment=own, prefix_routing={"enabled": False})).models[0]
+    assert kept.resolved_deployment()["request_router_config"] == own["request_router_config"]
+
+
+def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    from serve_app.prefix_routing.router import PrefixAffinityRouter
+
+    path = parse_app_config(minimal()).models[0].resolved_deployment()["request_router_config"]["request_router_class"]
+    module, _, name = path.partition(":")
+    assert f"{PrefixAffinityRouter.__module__}:{PrefixAffinityRouter.__name__}" == path
+    assert module == "serve_app.prefix_routing.router" and issubclass(PrefixAffinityRouter, RequestRouter), name

@@ -1,0 +1,161 @@
+"""PrefixAffinityRouter: Serve's request router for a model deployment, by prompt prefix, load first.
+
+A serve config turns it on per model (``prefix_routing`` in :mod:`serve_app.config`,
+which sets the deployment's ``request_router_config``). Serve then builds one in every
+process that holds a handle to the deployment, the ingress replicas, and asks it for
+each call. It reuses Serve's power-of-two-choices router for everything but the
+preference: when :func:`~serve_app.prefix_routing.table.choose` names a replica, that
+replica is tried first and Serve's two random candidates after it (so a full preferred
+replica never holds a request back); otherwise only the two candidates, as Serve's
+default router would. Loads are Serve's own queue-length cache, probed where stale.
+
+Ray's ``PrefixCacheAffinityRouter`` was not used: it keys on the raw message text
+(not the rendered template and tools), blocks the event loop on a remote prefix-tree
+actor for every request, and cannot read this app's pickled large requests
+(docs/architecture.md, decision record 11).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ray.serve._private.common import ReplicaID
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
+
+from serve_app.glm4.format import CHAT_TEMPLATE_PATH
+from serve_app.observability import metrics
+from serve_app.prefix_routing.prompt_text import PromptRenderer
+from serve_app.prefix_routing.table import (
+    Choice,
+    Decision,
+    PrefixTable,
+    RoutingKey,
+    choose,
+    opening_digest,
+    prefix_blocks,
+)
+
+logger = logging.getLogger("ray.serve")
+
+ROUTED_METHODS = frozenset({"chat", "completion"})  # the model replica's generation methods
+REMEMBERED_REQUESTS = 4096  # keys of requests being routed, kept between their routing attempts
+
+
+def template_text(chat_template: str | None) -> str:
+    """The chat template a model's replicas render with: GLM-4's, or the configured file or text."""
+    if chat_template is None:
+        return CHAT_TEMPLATE_PATH.read_text()
+    path = Path(chat_template)
+    return path.read_text() if "{" not in chat_template and path.is_file() else chat_template
+
+
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Prefers the replica that holds a request's prompt prefix, unless it is much busier."""
+
+    def initialize_state(
+        self,
+        model: str = "",
+        chat_template: str | None = None,
+        block_chars: int = 64,
+        max_blocks: int = 200_000,
+        max_load_gap: int = 16,
+        **_: Any,
+    ) -> None:
+        self._model = model
+        self._renderer = PromptRenderer(template_text(chat_template))
+        self._block_chars = block_chars
+        self._max_load_gap = max_load_gap
+        self._table = PrefixTable(max_blocks)
+        # Per request being routed (by Serve's internal id): its key and what was chosen.
+        self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None]] = OrderedDict()
+        self._metrics = metrics.PrefixRoutingMetrics(model)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_load: list[list[RunningReplica]] = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self,  # Serve's own procedure: it reads only what this router has too (as Ray's own prefix router does)
+            candidate_replicas=candidate_replicas,
+            pending_request=pending_request,
+        )
+        if pending_request is None or not by_load:
+            return by_load
+        key = self._key(pending_request)
+        if key is None:
+            return by_load
+        loads = await self._loads(candidate_replicas)
+        choice = choose(key, self._table, loads, self._max_load_gap)
+        self._routing[pending_request.metadata.internal_request_id] = (key, choice)
+        preferred = self._by_unique_id(choice.replica)
+        return by_load if preferred is None else [[preferred], *by_load]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        key, choice = self._routing.pop(pending_request.metadata.internal_request_id, (None, None))
+        if key is None:
+            return
+        self._table.record(key.blocks, replica_id.unique_id)
+        decision = Decision.BY_LOAD if choice is None else choice.decision
+        if choice is not None and choice.replica not in (None, replica_id.unique_id):
+            decision = Decision.FALLBACK  # the preferred replica refused it (full) or left
+        self._metrics.routed(decision.value, len(self._table))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self._replica_id_set)
+        super().update_replicas(replicas)
+        for gone in before - self._replica_id_set:
+            self._table.forget(gone.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._table.forget(replica_id.unique_id)
+
+    def _key(self, pending_request: PendingRequest) -> RoutingKey | None:
+        """The request's routing key, made once per request (routing may take several attempts)."""
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._routing:
+            return self._routing[request_id][0]
+        if pending_request.metadata.call_method not in ROUTED_METHODS or not pending_request.args:
+            return None
+        try:
+            prompt = self._renderer.render(pending_request.args[0])
+        except Exception:  # a template error is the replica's to report (400); route by load
+            logger.debug("prefix routing: the prompt did not render", exc_info=True)
+            prompt = None
+        if prompt is None:
+            return None
+        key = RoutingKey(
+            blocks=prefix_blocks(prompt.text, self._block_chars),
+            home=opening_digest(prompt.opening),
+            opening_blocks=len(prompt.opening) // self._block_chars,
+        )
+        self._routing[request_id] = (key, None)
+        while len(self._routing) > REMEMBERED_REQUESTS:  # requests cancelled while waiting
+            self._routing.popitem(last=False)
+        return key
+
+    async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed."""
+        loads: dict[str, int] = {}
+        stale = []
+        for replica in replicas:
+            queue_len = self._replica_queue_len_cache.get(replica.replica_id)
+            if queue_len is None:
+                stale.append(replica)
+            else:
+                loads[replica.replica_id.unique_id] = queue_len
+        if stale:
+            for replica, queue_len in await self._probe_queue_lens(stale, 0):
+                if queue_len is not None:  # no answer in time: not a candidate to prefer
+                    loads[replica.replica_id.unique_id] = queue_len
+        return loads
+
+    def _by_unique_id(self, unique_id: str | None) -> RunningReplica | None:
+        if unique_id is None:
+            return None
+        return next((r for r in self._replicas_list if r.replica_id.unique_id == unique_id), None)

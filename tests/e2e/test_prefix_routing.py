@@ -1,0 +1,144 @@
+"""Prefix-aware routing on the real engine, two model replicas: conversations stay where their
+history is cached, and one hot prompt still reaches both replicas.
+
+A second application (``prefix``, the same app and model under ``/prefix``) runs two model
+replicas, pinned. Whether a turn found its history cached is vLLM's own answer:
+``usage.prompt_tokens_details.cached_tokens``. Each conversation has its own system prompt,
+so only the replica that served its earlier turns holds any of its prompt: a later turn
+sent to the other replica would find nothing cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.serve_state import (
+    DeploymentName,
+    ongoing_at,
+    replica_engines,
+    replica_states,
+    serve_deploy,
+    stopped,
+    wait_until,
+)
+
+pytestmark = pytest.mark.disruptive  # it loads two more engines
+
+MODEL = DeploymentName("prefix", "model-glm-4-9b-chat")
+MODEL_NAME = "glm-4-9b-chat"
+CONVERSATIONS = 8
+TURNS = 4
+ANSWER_TOKENS = 16
+HOT_BURST = 40  # identical requests, held while both engines are frozen
+
+
+def prefix_app(base: dict[str, Any]) -> dict[str, Any]:
+    """The session's application under another name and route, with two model replicas pinned.
+
+    Engines stay frozen for seconds in the hot-prefix part, so the stall timeout is longer.
+    """
+    app = copy.deepcopy(base)
+    app["name"], app["route_prefix"] = "prefix", "/prefix"
+    (model,) = app["args"]["models"]
+    assert model["prefix_routing"]["enabled"]  # the shipped CPU config routes by prefix
+    model["engine_stall_timeout_s"] = 50  # (below ingress.request_timeout_s, 60)
+    deployment = model["deployment"]
+    deployment.pop("autoscaling_config")
+    deployment["num_replicas"] = 2
+    ingress = app["args"]["ingress"]
+    ingress["deployment"].pop("autoscaling_config", None)
+    ingress["deployment"]["num_replicas"] = 1
+    return app
+
+
+def system_prompt(n: int) -> str:
+    """A system prompt of a few hundred tokens that no other conversation shares."""
+    return f"Conversation {n}. " + " ".join(f"rule {n}-{i}: answer with care and brevity." for i in range(14))
+
+
+async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
+    """One conversation of TURNS turns, each resending the history; each turn's usage."""
+    messages = [{"role": "system", "content": system_prompt(n)}, {"role": "user", "content": "First question?"}]
+    usages = []
+    for turn in range(TURNS):
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": ANSWER_TOKENS, "min_tokens": ANSWER_TOKENS}
+        response = await client.post("/prefix/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        usage = answer["usage"]
+        usages.append({"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]})
+        messages += [
+            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"Question number {turn + 2}?"},
+        ]
+    return usages
+
+
+def replica_actor_ids() -> list[str]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        filters=[("class_name", "=", f"ServeReplica:{MODEL.app_name}:{MODEL.deployment_name}"), ("state", "=", "ALIVE")]
+    )
+    return [a.actor_id for a in actors]
+
+
+async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(app, cluster, tmp_path):
+    config = yaml.safe_load(app.config_path.read_text())
+    both = copy.deepcopy(config)
+    both["applications"].append(prefix_app(config["applications"][0]))
+    both_path = tmp_path / "with-prefix-app.yaml"
+    both_path.write_text(yaml.safe_dump(both, sort_keys=False))
+    try:
+        await serve_deploy(both_path, cluster)
+        await wait_until(lambda: _running(2), timeout_s=480, what="the prefix app's two model replicas running")
+        limits = httpx.Limits(max_connections=HOT_BURST + CONVERSATIONS)
+        async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
+            conversations = await asyncio.gather(*(converse(client, n) for n in range(CONVERSATIONS)))
+            for n, usages in enumerate(conversations):
+                assert usages[0]["prompt"] > 250, usages  # several KV blocks of its own
+                for before, turn in zip(usages, usages[1:], strict=False):
+                    # The replica that served the turn before holds it: at least half of it is cached.
+                    assert turn["cached"] >= before["prompt"] // 2, (n, usages)
+            later = [turn for usages in conversations for turn in usages[1:]]
+            hit_rate = sum(t["cached"] for t in later) / sum(t["prompt"] for t in later)
+            print(
+                f"{CONVERSATIONS} conversations x {TURNS} turns: turns >= 2 had {hit_rate:.0%} of their prompt cached"
+            )
+
+            # One hot prompt: while both engines are frozen, whatever a replica admits stays in its count.
+            replicas = await asyncio.to_thread(replica_actor_ids)
+            engines = await asyncio.to_thread(replica_engines, MODEL)
+            hot = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "The same question, again."}]}
+            with stopped([process for processes in engines.values() for process in processes]):
+                burst = [
+                    asyncio.create_task(client.post("/prefix/v1/chat/completions", json=hot | {"max_tokens": 8}))
+                    for _ in range(HOT_BURST)
+                ]
+
+                async def counts() -> list[int]:
+                    return [await asyncio.to_thread(ongoing_at, replica) for replica in replicas]
+
+                async def all_admitted() -> bool:
+                    return sum(await counts()) == HOT_BURST
+
+                await wait_until(all_admitted, timeout_s=60, what=f"the {HOT_BURST} hot requests admitted")
+                held = await counts()
+            answers = await asyncio.gather(*burst)
+        assert [a.status_code for a in answers] == [200] * HOT_BURST, [a.text for a in answers if a.status_code != 200]
+        # Load first: past the gap the holder loses requests to the other replica, which then holds
+        # the prompt too and shares it.
+        assert min(held) >= 1, held
+        print(f"{HOT_BURST} identical requests: {held} held by the two replicas")
+    finally:
+        await serve_deploy(app.config_path, cluster)  # the prefix app goes
+
+
+async def _running(count: int) -> bool:
+    return (await replica_states(MODEL)).get("RUNNING", 0) >= count

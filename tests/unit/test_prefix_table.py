@@ -1,0 +1,141 @@
+"""The prefix-affinity rule: matching, load first, replicas leaving, bounded memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.prefix_routing.table import (
+    Choice,
+    Decision,
+    PrefixTable,
+    RoutingKey,
+    choose,
+    home_replica,
+    opening_digest,
+    prefix_blocks,
+)
+
+BLOCK = 8
+
+
+def key(text: str, opening: str = "") -> RoutingKey:
+    return RoutingKey(prefix_blocks(text, BLOCK), opening_digest(opening), len(opening) // BLOCK)
+
+
+def test_a_block_names_its_whole_prefix_and_only_full_blocks_count():
+    blocks = prefix_blocks("a" * 8 + "b" * 8 + "c" * 3, BLOCK)
+    assert len(blocks) == 2
+    assert prefix_blocks("a" * 8 + "b" * 8 + "x" * 9, BLOCK)[:2] == blocks  # same start, same names
+    assert prefix_blocks("z" * 8 + "b" * 8, BLOCK)[1] != blocks[1]  # same block after another start
+    assert prefix_blocks("short", BLOCK) == ()
+
+
+def test_the_longest_known_prefix_wins_and_only_among_live_candidates():
+    table = PrefixTable(max_blocks=100)
+    system = "S" * 32
+    table.record(prefix_blocks(system + "conversation one, turn one", BLOCK), "r1")
+    table.record(prefix_blocks(system + "conversation two, turn one", BLOCK), "r2")
+    turn_two = prefix_blocks(system + "conversation one, turn one" + " answer; turn two", BLOCK)
+    depth, holders = table.longest_match(turn_two, {"r1", "r2"})
+    assert holders == ("r1",) and depth == len(prefix_blocks(system + "conversation one, turn one", BLOCK))
+    shared = len(prefix_blocks(system + "conversation ", BLOCK))  # the system prompt and "conversa"
+    assert table.longest_match(turn_two, {"r2"}) == (shared, ("r2",))  # r1 not a candidate
+    assert table.longest_match(prefix_blocks("unrelated " * 4, BLOCK), {"r1", "r2"}) == (0, ())
+
+
+def test_a_later_turn_goes_where_its_conversation_went_even_away_from_its_home():
+    table = PrefixTable(max_blocks=100)
+    opening = "system prompt. first question?"
+    turn_one = opening + " <assistant>"
+    replicas = {"r1": 0, "r2": 0, "r3": 0}
+    home = home_replica(opening_digest(opening), replicas)
+    elsewhere = next(r for r in replicas if r != home)
+    table.record(prefix_blocks(turn_one, BLOCK), elsewhere)  # (a fallback once sent it there)
+    choice = choose(key(turn_one + " answer. second question?", opening), table, replicas, max_load_gap=4)
+    assert choice == Choice(elsewhere, Decision.AFFINITY, len(turn_one) // BLOCK)
+
+
+def test_a_first_turn_goes_home_whatever_shared_prefix_another_replica_holds():
+    """Every ingress replica (each with its own table) sends a conversation's first turn to the
+    same replica: one picked from its opening alone."""
+    system = "a long shared system prompt " * 4
+    table = PrefixTable(max_blocks=100)
+    replicas = {"r1": 0, "r2": 0, "r3": 0, "r4": 0}
+    for n, replica in enumerate(replicas):
+        table.record(prefix_blocks(system + f"user {n}", BLOCK), replica)
+    homes = set()
+    for n in range(20):
+        opening = system + f"a new user's question {n}"
+        choice = choose(key(opening + "<assistant>", opening), table, replicas, max_load_gap=4)
+        assert choice.decision is Decision.HOME
+        assert choice.replica == home_replica(opening_digest(opening), replicas)
+        assert choose(key(opening + "<assistant>", opening), PrefixTable(10), replicas, 4) == Choice(
+            choice.replica, Decision.HOME, 0
+        )  # another ingress replica, which has seen nothing, agrees
+        homes.add(choice.replica)
+    assert len(homes) > 1  # openings spread over the replicas
+
+
+def test_a_busy_holder_loses_the_request_to_load():
+    table = PrefixTable(max_blocks=100)
+    text = "the same prompt, many times over"
+    table.record(prefix_blocks(text, BLOCK), "r1")
+    assert choose(key(text), table, {"r1": 20, "r2": 4}, max_load_gap=16).replica == "r1"  # 16 more: still r1
+    assert choose(key(text), table, {"r1": 21, "r2": 4}, max_load_gap=16) == Choice(None, Decision.FALLBACK, 4)
+
+
+def test_one_hot_prefix_spreads_over_every_replica_it_overflows_to():
+    """Simulated routing of one prompt sent 400 times with 64 in flight: the first holder fills
+    to the gap, the overflow goes by load, and from then on the least busy holder takes it."""
+    table = PrefixTable(max_blocks=100)
+    replicas = ["r1", "r2", "r3", "r4"]
+    loads = dict.fromkeys(replicas, 0)
+    counts = dict.fromkeys(replicas, 0)
+    hot = key("one hot prompt that everyone sends " * 3, "one hot prompt")
+    in_flight: list[str] = []
+    for _ in range(400):
+        if len(in_flight) == 64:  # the oldest request ends
+            loads[in_flight.pop(0)] -= 1
+        choice = choose(hot, table, loads, max_load_gap=8)
+        replica = choice.replica or min(loads, key=loads.__getitem__)  # (load's choice, simplified)
+        table.record(hot.blocks, replica)
+        loads[replica] += 1
+        counts[replica] += 1
+        in_flight.append(replica)
+    mean = sum(counts.values()) / len(counts)
+    assert max(counts.values()) <= 1.3 * mean, counts
+
+
+def test_a_replica_that_left_is_forgotten():
+    table = PrefixTable(max_blocks=100)
+    blocks = prefix_blocks("a prompt that two replicas were sent", BLOCK)
+    table.record(blocks, "r1")
+    table.record(blocks, "r2")
+    table.forget("r1")
+    assert table.longest_match(blocks, {"r1", "r2"}) == (len(blocks), ("r2",))
+    table.forget("r2")
+    assert len(table) == 0
+
+
+def test_memory_is_bounded_and_a_shared_start_outlives_the_histories_after_it():
+    table = PrefixTable(max_blocks=10)
+    system = "S" * 16  # two blocks
+    for n in range(50):
+        table.record(prefix_blocks(system + f"{n:03d}: a history.", BLOCK), f"r{n % 3}")
+        assert len(table) <= 10
+    assert table.longest_match(prefix_blocks(system, BLOCK), {"r0", "r1", "r2"})[0] == 2
+    assert table.longest_match(prefix_blocks(system + "000: a history.", BLOCK), {"r0"})[0] <= 2  # forgotten
+
+
+def test_no_replica_to_measure_means_load_decides():
+    assert choose(key("anything at all here"), PrefixTable(10), {}, 4) == Choice(None, Decision.BY_LOAD)
+
+
+@pytest.mark.parametrize("leaving", ["r1", "r2", "r3"])
+def test_a_replica_leaving_moves_only_the_conversations_whose_home_it_was(leaving):
+    replicas = ["r1", "r2", "r3", "r4"]
+    openings = [opening_digest(f"conversation {n}") for n in range(200)]
+    before = {home: home_replica(home, replicas) for home in openings}
+    after = {home: home_replica(home, [r for r in replicas if r != leaving]) for home in openings}
+    moved = {home for home in openings if before[home] != after[home]}
+    assert moved == {home for home in openings if before[home] == leaving}
