@@ -37,7 +37,7 @@ from serve_app.observability.metrics import ServingMetrics
 # and it renders prompts with transformers. Imported here first, on the replica's main thread:
 # transformers' lazy modules imported from two threads at once fail (ImportError in vLLM's own
 # import of transformers, seen at the ingress's start).
-from serve_app.prefix_routing import router as _prefix_router  # noqa: F401, E402
+from serve_app.prefix_routing import router as _prefix_router  # noqa: F401
 
 
 def key_limits(config: AppConfig, rate_limiter: DeploymentHandle | None) -> KeyLimits | None:

@@ -67,7 +67,6 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         max_load_gap: int = 16,
         **_: Any,
     ) -> None:
-        self._model = model
         self._renderer = PromptRenderer(template_text(chat_template))
         self._block_chars = block_chars
         self._max_load_gap = max_load_gap

@@ -134,6 +134,16 @@ def ongoing_at(actor_id: str) -> int:
     return ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)
 
 
+def live_replicas(handle: Any) -> dict[str, str]:
+    """The deployment's live replica actors: actor id -> node id.
+
+    Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
+    """
+    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
+    actors = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
+    return {actor.actor_id: actor.node_id for actor in actors}
+
+
 def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
     """The vLLM engine-core processes of each live replica of the deployment, by replica actor id.
 

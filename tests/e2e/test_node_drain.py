@@ -36,9 +36,11 @@ import yaml
 from tests.e2e.ray_cluster import RayNode
 from tests.e2e.serve_state import (
     DeploymentName,
+    live_replicas,
     ongoing_at,
     replica_engines,
     replica_states,
+    running,
     serve_deploy,
     stopped,
     wait_until,
@@ -92,16 +94,6 @@ async def stream(client: httpx.AsyncClient) -> tuple[int, list[str]]:
     return r.status_code, events
 
 
-def replica_actors() -> dict[str, str]:
-    """The drain app's live model replicas: actor id -> node id."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(
-        filters=[("class_name", "=", f"ServeReplica:{MODEL.app_name}:{MODEL.deployment_name}"), ("state", "=", "ALIVE")]
-    )
-    return {a.actor_id: a.node_id for a in actors}
-
-
 async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhere(app, ray_cluster, cluster, tmp_path):
     config = yaml.safe_load(app.config_path.read_text())
     both = copy.deepcopy(config)
@@ -116,9 +108,9 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         await asyncio.to_thread(node_b.start)
         await serve_deploy(both_path, cluster)
         await wait_until(
-            lambda: _running(2), timeout_s=480, what="the drain app's two model replicas running, one per node"
+            lambda: running(MODEL, 2), timeout_s=480, what="the drain app's two model replicas running, one per node"
         )
-        replicas = await asyncio.to_thread(replica_actors)
+        replicas = await asyncio.to_thread(live_replicas, MODEL)
         ((victim,),) = [(a,) for a, node in replicas.items() if node == a_id]
         (other,) = set(replicas) - {victim}
         engines = await asyncio.to_thread(replica_engines, MODEL)
@@ -181,7 +173,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         assert hook.returncode == 0, output.decode()
         # It returned because nothing was left on the node, not because its grace period ran out.
         assert b"no Serve actor left" in output, output.decode()
-        assert (await asyncio.to_thread(replica_actors)).get(victim) is None  # it left
+        assert (await asyncio.to_thread(live_replicas, MODEL)).get(victim) is None  # it left
         print(
             f"{held} of {STREAMS} streams held by the drained node's replica ({held_elsewhere} by the other); all "
             f"complete; {AFTER_STOP} later requests all went to the other; the hook returned after {took:.0f} s "
@@ -193,10 +185,6 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         await serve_deploy(app.config_path, cluster)  # the drain app goes
         await asyncio.to_thread(node_a.stop)
         await asyncio.to_thread(node_b.stop)
-
-
-async def _running(count: int) -> bool:
-    return (await replica_states(MODEL)).get("RUNNING", 0) >= count
 
 
 async def _stopping() -> bool:

@@ -20,9 +20,10 @@ import yaml
 
 from tests.e2e.serve_state import (
     DeploymentName,
+    live_replicas,
     ongoing_at,
     replica_engines,
-    replica_states,
+    running,
     serve_deploy,
     stopped,
     wait_until,
@@ -80,15 +81,6 @@ async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
     return usages
 
 
-def replica_actor_ids() -> list[str]:
-    from ray.util.state import list_actors
-
-    actors = list_actors(
-        filters=[("class_name", "=", f"ServeReplica:{MODEL.app_name}:{MODEL.deployment_name}"), ("state", "=", "ALIVE")]
-    )
-    return [a.actor_id for a in actors]
-
-
 async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(app, cluster, tmp_path):
     config = yaml.safe_load(app.config_path.read_text())
     both = copy.deepcopy(config)
@@ -97,7 +89,7 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
     both_path.write_text(yaml.safe_dump(both, sort_keys=False))
     try:
         await serve_deploy(both_path, cluster)
-        await wait_until(lambda: _running(2), timeout_s=480, what="the prefix app's two model replicas running")
+        await wait_until(lambda: running(MODEL, 2), timeout_s=480, what="the prefix app's two model replicas running")
         limits = httpx.Limits(max_connections=HOT_BURST + CONVERSATIONS)
         async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
             conversations = await asyncio.gather(*(converse(client, n) for n in range(CONVERSATIONS)))
@@ -113,7 +105,7 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
             )
 
             # One hot prompt: while both engines are frozen, whatever a replica admits stays in its count.
-            replicas = await asyncio.to_thread(replica_actor_ids)
+            replicas = list(await asyncio.to_thread(live_replicas, MODEL))
             engines = await asyncio.to_thread(replica_engines, MODEL)
             hot = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "The same question, again."}]}
             with stopped([process for processes in engines.values() for process in processes]):
@@ -138,7 +130,3 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
         print(f"{HOT_BURST} identical requests: {held} held by the two replicas")
     finally:
         await serve_deploy(app.config_path, cluster)  # the prefix app goes
-
-
-async def _running(count: int) -> bool:
-    return (await replica_states(MODEL)).get("RUNNING", 0) >= count
