@@ -81,13 +81,18 @@ def async_llm_on_core(vllm_config: Any, make_core: Callable[[Any, Any], Any], **
         return AsyncLLM.from_vllm_config(vllm_config, **async_llm_args)
 
 
-def ray_stat_logger(set_gauge: Callable[[Any, float, dict[str, str]], object]) -> type:
+def ray_stat_logger(
+    set_gauge: Callable[[Any, float, dict[str, str]], object],
+    start_counter: Callable[[Any, dict[str, str]], object],
+) -> type:
     """vLLM's Ray stat logger, its gauges set through ``set_gauge(metric, value, tags)``.
 
     The logger's ``_gauge_cls`` (vLLM's switch between Prometheus and Ray gauges)
     is replaced; each gauge's Ray metric and tags are ``metric`` and ``_tags``.
     The logger records empty stats at start, so its gauges read 0 before the
-    engine's first step.
+    engine's first step, and passes the prefix-cache counters (which vLLM's Ray
+    wrapper never increments by 0, so they would appear at the first hit) to
+    ``start_counter(metric, tags)``.
     """
     from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
     from vllm.v1.metrics.stats import SchedulerStats
@@ -103,5 +108,7 @@ def ray_stat_logger(set_gauge: Callable[[Any, float, dict[str, str]], object]) -
             super().__init__(vllm_config, engine_indexes)
             for index in self.engine_indexes:  # (vLLM's counters skip increments of 0)
                 self.record(SchedulerStats(), None, engine_idx=index)
+                for counter in (self.counter_prefix_cache_queries[index], self.counter_prefix_cache_hits[index]):
+                    start_counter(counter.metric, counter._tags)
 
     return StatLogger

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from serve_app.observability.metrics import exported_names
+from serve_app.observability.metrics import exported_names, prefix_routing_names
 from tests.unit.k8s_manifests import DASHBOARD, MONITORING, OVERLAYS, rendered
 
 _METRIC = re.compile(r"\bray_[a-zA-Z0-9_]+")
@@ -37,7 +37,8 @@ def test_the_dashboard_is_grafana_json_with_a_query_in_every_panel(dashboard):
 def test_every_serving_metric_has_a_panel(dashboard):
     queries = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     shown = {name for name in _METRIC.findall(queries) if name.startswith("ray_glm4_serve_")}
-    assert shown == {n for n in exported_names() if not n.endswith(("_sum", "_count"))}
+    expected = exported_names() | prefix_routing_names()
+    assert shown == {n for n in expected if not n.endswith(("_sum", "_count"))}
 
 
 def test_the_dashboard_pod_monitor_and_rules_render_with_kustomize():

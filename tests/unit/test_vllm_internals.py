@@ -8,6 +8,7 @@ An upgrade of vLLM fails the first test on purpose: review each function of
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import vllm
 
@@ -66,10 +67,27 @@ def test_the_ray_stat_logger_gauge_class_is_the_switch_that_is_replaced() -> Non
 
     assert RayPrometheusStatLogger._gauge_cls is RayGaugeWrapper
     assert assigns(RayGaugeWrapper, "metric") and "self._tags" in inspect.getsource(RayGaugeWrapper)
-    logger_cls = vllm_internals.ray_stat_logger(lambda metric, value, tags: None)
+    logger_cls = vllm_internals.ray_stat_logger(lambda metric, value, tags: None, lambda metric, tags: None)
     assert issubclass(logger_cls, RayPrometheusStatLogger)
     gauge_cls = logger_cls._gauge_cls  # type: ignore[attr-defined]
     assert issubclass(gauge_cls, RayGaugeWrapper) and gauge_cls is not RayGaugeWrapper
+
+
+def test_the_ray_stat_logger_starts_the_prefix_cache_counters_of_each_engine() -> None:
+    """vLLM's Ray counters skip increments of 0: a prefix-cache hit rate needs both started."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4"
+    vllm_config = AsyncEngineArgs(model=str(model), max_model_len=1024, served_model_name=["m"]).create_engine_config()
+    started: list[tuple[str, dict[str, str]]] = []
+    logger_cls = vllm_internals.ray_stat_logger(
+        lambda metric, value, tags: None, lambda metric, tags: started.append((metric._name, tags))
+    )
+    logger_cls(vllm_config, [0])
+    assert started == [
+        ("vllm_prefix_cache_queries", {"model_name": "m", "engine": "0", "ReplicaId": ""}),
+        ("vllm_prefix_cache_hits", {"model_name": "m", "engine": "0", "ReplicaId": ""}),
+    ]
 
 
 def test_async_llm_builds_its_engine_core_client_with_the_factory_the_simulation_replaces() -> None:
