@@ -213,6 +213,12 @@ class SimulatedEngineConfig(_Strict):
         gt=0,
         description="Tokens one step computes, prefill chunks included (vLLM's default on an H100).",
     )
+    kv_block_tokens: int = Field(
+        default=16,
+        gt=0,
+        description="Tokens per KV cache block (vLLM's default on GPUs): with enable_prefix_caching, "
+        "the simulated prefix cache keeps and finds whole blocks of prompts.",
+    )
 
     @model_validator(mode="after")
     def _kv_cache_has_room(self) -> SimulatedEngineConfig:

@@ -13,6 +13,8 @@ vLLM's metrics, and all of this app. Only token generation is replaced.
 - :mod:`~serve_app.simulated_engine.batch`: continuous batching as vLLM's scheduler
   does it, pure logic: running sequences, chunked prefill within a token budget,
   waiting requests in order, preemption when the KV cache is full, stop rules.
+- :mod:`~serve_app.simulated_engine.prefix_cache`: vLLM's automatic prefix caching:
+  cached prompt blocks by chained hash, least recently used out first, hit counts.
 - :mod:`~serve_app.simulated_engine.core`: the engine-core client ``AsyncLLM``
   talks to: one timer per step, vLLM's output types.
 """

@@ -14,6 +14,10 @@ time. Each step:
    token. The stop rules are vLLM's (``check_stop``): the stop token, then
    ``max_tokens`` or the context limit; nothing stops before ``min_tokens``.
 
+With a prefix cache (:mod:`serve_app.simulated_engine.prefix_cache`), a sequence
+that joins starts with its cached prompt blocks computed, so only the rest is
+prefilled, and the blocks it computes are cached as they are scheduled.
+
 Token ids are drawn from the tokenizer's ordinary vocabulary and never equal a
 request's stop tokens by chance; a request that may end early ends with its stop
 token with probability ``stop_probability`` per token.
@@ -27,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from serve_app.simulated_engine.prefix_cache import PrefixCache
 from serve_app.simulated_engine.timing import GpuTiming
 
 
@@ -58,6 +63,10 @@ class SimSequence:
     rng: random.Random
     arrival_s: float
     logprobs: int | None = None  # alternatives to report per token (None: no logprobs); not read here
+    block_hashes: tuple[int, ...] = ()  # the prompt's full KV blocks (with a prefix cache)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when it first joined
+    preemptions: int = 0
+    cached_blocks: int = 0  # leading prompt blocks it has put in the prefix cache
     output_tokens: int = 0
     computed_tokens: int = 0  # context tokens whose KV the cache holds
     scheduled_tokens: int = 0  # tokens the current step computes for it
@@ -105,6 +114,7 @@ class ContinuousBatch:
         max_num_seqs: int,
         vocabulary: Sequence[int],
         stop_probability: float = 0.0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not vocabulary:
             raise ValueError("the vocabulary to draw tokens from is empty")
@@ -112,6 +122,7 @@ class ContinuousBatch:
         self.max_num_seqs = max_num_seqs
         self.vocabulary = vocabulary
         self.stop_probability = stop_probability
+        self.prefix_cache = prefix_cache
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.kv_used_tokens = 0
@@ -178,12 +189,15 @@ class ContinuousBatch:
             sequence = self.waiting[0]
             if sequence.arrival_s > start_s:
                 break  # arrived while this step was being planned: the next one
-            tokens = min(sequence.context_tokens - sequence.computed_tokens, budget)
-            if self.kv_used_tokens + tokens > capacity:
+            hit = self._cached_tokens(sequence)
+            tokens = min(sequence.context_tokens - hit, budget)
+            if self.kv_used_tokens + hit + tokens > capacity:
                 break
             self.waiting.popleft()
             self.running.append(sequence)
             sequence.events.append((Event.SCHEDULED, start_s))
+            if self.prefix_cache is not None:
+                self._join_with_cached_prefix(sequence)
             prefill_tokens += tokens
             self._schedule(sequence, tokens, scheduled)
             budget -= tokens
@@ -204,14 +218,36 @@ class ContinuousBatch:
                 emitted.append(self._next_token(sequence))
         return emitted
 
+    def _cached_tokens(self, sequence: SimSequence) -> int:
+        """Of a waiting sequence's prompt, the tokens the prefix cache would give it now."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.hit_tokens(sequence.block_hashes, sequence.prompt_tokens)
+
+    def _join_with_cached_prefix(self, sequence: SimSequence) -> None:
+        assert self.prefix_cache is not None
+        hit = self.prefix_cache.admit(sequence.block_hashes, sequence.prompt_tokens, sequence.preemptions > 0)
+        if not sequence.preemptions:
+            sequence.cached_tokens = hit
+        sequence.computed_tokens = hit
+        sequence.cached_blocks = hit // self.prefix_cache.block_tokens
+        self.kv_used_tokens += hit
+
     def _schedule(self, sequence: SimSequence, tokens: int, scheduled: list[SimSequence]) -> None:
         sequence.scheduled_tokens = tokens
         self.kv_used_tokens += tokens
         scheduled.append(sequence)
+        if self.prefix_cache is not None:  # (as vLLM caches full blocks when it allocates them)
+            full = min(sequence.computed_tokens + tokens, sequence.prompt_tokens) // self.prefix_cache.block_tokens
+            if full > sequence.cached_blocks:
+                self.prefix_cache.insert(sequence.block_hashes[sequence.cached_blocks : full])
+                sequence.cached_blocks = full
 
     def _preempt(self, sequence: SimSequence, now_s: float) -> None:
         self.kv_used_tokens -= sequence.computed_tokens
         sequence.computed_tokens = 0
+        sequence.cached_blocks = 0
+        sequence.preemptions += 1
         sequence.events.append((Event.PREEMPTED, now_s))
         self.waiting.appendleft(sequence)
 

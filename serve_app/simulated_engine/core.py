@@ -21,7 +21,7 @@ import asyncio
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -32,12 +32,13 @@ from vllm.v1.engine import (
     EngineCoreOutputs,
     FinishReason,
 )
-from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
+from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 from vllm.v1.outputs import LogprobsLists
 
 from serve_app import vllm_internals
 from serve_app.config import SimulatedEngineConfig
 from serve_app.simulated_engine.batch import ContinuousBatch, Emitted, Finish, SimSequence
+from serve_app.simulated_engine.prefix_cache import PrefixCache, block_hashes
 from serve_app.simulated_engine.timing import GpuTiming
 
 # Alternatives reported per token when a request asks logprobs (vLLM's default max_logprobs).
@@ -62,8 +63,12 @@ class SimulatedEngineCore:
             )
         special = set(tokenizer.all_special_ids)
         vocabulary = [token for token in range(tokenizer.vocab_size) if token not in special]
+        self.prefix_cache: PrefixCache | None = None
+        if vllm_config.cache_config.enable_prefix_caching:
+            blocks = timing.kv_capacity_tokens // config.kv_block_tokens
+            self.prefix_cache = PrefixCache(config.kv_block_tokens, blocks)
         self.batch = ContinuousBatch(
-            timing, vllm_config.scheduler_config.max_num_seqs, vocabulary, config.stop_probability
+            timing, vllm_config.scheduler_config.max_num_seqs, vocabulary, config.stop_probability, self.prefix_cache
         )
         self.max_model_len = max_model_len
         self.engine_ranks_managed = [0]
@@ -74,6 +79,7 @@ class SimulatedEngineCore:
         self._clock_s = 0.0
         # What vLLM's engine core reports at start (read by vLLM's metrics and logs).
         cache = vllm_config.cache_config
+        cache.block_size = config.kv_block_tokens
         cache.num_gpu_blocks = timing.kv_capacity_tokens // cache.block_size
         cache.kv_cache_size_tokens = timing.kv_capacity_tokens
 
@@ -87,7 +93,8 @@ class SimulatedEngineCore:
             raise ValueError("the simulated engine only generates text")
         if params.prompt_logprobs is not None:
             raise ValueError("the simulated engine does not compute prompt_logprobs")
-        prompt_tokens = len(request.prompt_token_ids or ())
+        prompt_ids = request.prompt_token_ids or ()
+        prompt_tokens = len(prompt_ids)
         stop_ids = list(params.stop_token_ids or ())
         if params.eos_token_id is not None:  # (None with ignore_eos)
             stop_token, stop_reason = params.eos_token_id, None
@@ -110,6 +117,9 @@ class SimulatedEngineCore:
                 rng=random.Random(seed),
                 arrival_s=asyncio.get_running_loop().time(),
                 logprobs=_alternatives(params.logprobs),
+                block_hashes=()
+                if self.prefix_cache is None
+                else block_hashes(prompt_ids, self.prefix_cache.block_tokens),
             )
         )
         self._work.set()
@@ -138,11 +148,14 @@ class SimulatedEngineCore:
             )
 
     def _scheduler_stats(self) -> Any:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running_reqs=len(self.batch.running),
             num_waiting_reqs=len(self.batch.waiting),
             kv_cache_usage=self.batch.kv_usage,
         )
+        if self.prefix_cache is not None:
+            stats.prefix_cache_stats = PrefixCacheStats(**asdict(self.prefix_cache.take_tally()))
+        return stats
 
     def dp_engines_running(self) -> bool:
         return False
@@ -152,7 +165,9 @@ class SimulatedEngineCore:
         """No multimodal cache (vLLM's API server resets it at start)."""
 
     async def reset_prefix_cache_async(self, *args: Any, **kwargs: Any) -> bool:
-        return True  # no prefix cache
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
 
     async def is_sleeping_async(self) -> bool:
         return False
@@ -170,7 +185,7 @@ def _engine_core_output(emitted: Emitted, vocabulary: Sequence[int]) -> Any:
     prefill_stats = None
     if sequence.output_tokens == 1:  # the prompt's prefill ended with this token
         prefill_stats = PrefillStats()
-        prefill_stats.set(sequence.prompt_tokens, 0, 0)
+        prefill_stats.set(sequence.prompt_tokens, sequence.cached_tokens, 0)
     finish = None
     if emitted.finish is not None:
         finish = FinishReason.STOP if emitted.finish is Finish.STOP else FinishReason.LENGTH

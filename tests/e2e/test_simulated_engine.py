@@ -117,6 +117,13 @@ async def test_stop_tokens_end_answers_after_min_tokens_unless_ignore_eos():
         engine.shutdown()
 
 
+async def test_a_repeated_prompt_finds_its_whole_blocks_cached_as_vllm_reports_them(engine):
+    first = await generate(engine, "first", prompt_tokens=100, max_tokens=2)
+    again = await generate(engine, "again", prompt_tokens=100, max_tokens=2)
+    # 16-token blocks, short of the last token: 6 whole blocks of the 100 tokens.
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 96)
+
+
 async def test_a_client_that_leaves_frees_the_engine(engine):
     from vllm import SamplingParams
 
