@@ -17,7 +17,9 @@ actor for every request, and cannot read this app's pickled large requests
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from serve_app.prefix_routing.table import (
     Decision,
     PrefixTable,
     RoutingKey,
+    RunningOpenings,
     choose,
     opening_digest,
     prefix_blocks,
@@ -45,6 +48,8 @@ logger = logging.getLogger("ray.serve")
 
 ROUTED_METHODS = frozenset({"chat", "completion"})  # the model replica's generation methods
 REMEMBERED_REQUESTS = 4096  # keys of requests being routed, kept between their routing attempts
+RUNNING_REQUESTS = 65_536  # requests followed until they end (ends Serve never reports drop out)
+CHOSEN_NOT_SENT_S = 1.0  # how long a choice counts as load before Serve's own count has it
 
 
 def template_text(chat_template: str | None) -> str:
@@ -71,8 +76,10 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._block_chars = block_chars
         self._max_load_gap = max_load_gap
         self._table = PrefixTable(max_blocks)
-        # Per request being routed (by Serve's internal id): its key and what was chosen.
-        self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None]] = OrderedDict()
+        self._running = RunningOpenings(RUNNING_REQUESTS)
+        self._probing: asyncio.Future[Any] | None = None
+        # Per request being routed (by Serve's internal id): its key, what was chosen and when.
+        self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None, float]] = OrderedDict()
         self._metrics = metrics.PrefixRoutingMetrics(model)
 
     async def choose_replicas(
@@ -88,31 +95,42 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         key = self._key(pending_request)
         if key is None:
             return by_load
+        request_id = pending_request.metadata.internal_request_id
         loads = await self._loads(candidate_replicas)
-        choice = choose(key, self._table, loads, self._max_load_gap)
-        self._routing[pending_request.metadata.internal_request_id] = (key, choice)
+        running_opening = self._running.replicas(key.home, loads)
+        self._count_choices_not_yet_sent(request_id, key, loads, running_opening)
+        choice = choose(key, self._table, loads, self._max_load_gap, running_opening)
+        self._routing[request_id] = (key, choice, time.monotonic())
         preferred = self._by_unique_id(choice.replica)
         return by_load if preferred is None else [[preferred], *by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        key, choice = self._routing.pop(pending_request.metadata.internal_request_id, (None, None))
+        key, choice, _ = self._routing.pop(pending_request.metadata.internal_request_id, (None, None, 0.0))
         if key is None:
             return
         self._table.record(key.blocks, replica_id.unique_id)
+        self._running.started(pending_request.metadata.internal_request_id, replica_id.unique_id, key.home)
         decision = Decision.BY_LOAD if choice is None else choice.decision
         if choice is not None and choice.replica not in (None, replica_id.unique_id):
             decision = Decision.FALLBACK  # the preferred replica refused it (full) or left
         self._metrics.routed(decision.value, len(self._table))
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._running.ended(internal_request_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
         super().update_replicas(replicas)
         for gone in before - self._replica_id_set:
-            self._table.forget(gone.unique_id)
+            self._forget(gone.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._table.forget(replica_id.unique_id)
+        self._forget(replica_id.unique_id)
+
+    def _forget(self, replica: str) -> None:
+        self._table.forget(replica)
+        self._running.forget(replica)
 
     def _key(self, pending_request: PendingRequest) -> RoutingKey | None:
         """The request's routing key, made once per request (routing may take several attempts)."""
@@ -133,25 +151,43 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             home=opening_digest(prompt.opening),
             opening_blocks=len(prompt.opening) // self._block_chars,
         )
-        self._routing[request_id] = (key, None)
+        self._routing[request_id] = (key, None, time.monotonic())
         while len(self._routing) > REMEMBERED_REQUESTS:  # requests cancelled while waiting
             self._routing.popitem(last=False)
         return key
 
+    def _count_choices_not_yet_sent(
+        self, request_id: str, key: RoutingKey, loads: dict[str, int], running_opening: set[str]
+    ) -> None:
+        """Add the replicas chosen for other requests that are not sent yet (Serve's queue lengths
+        count a request once it is sent): requests that arrive together must see each other."""
+        recent = time.monotonic() - CHOSEN_NOT_SENT_S
+        for other_id, (other_key, choice, chosen_at) in self._routing.items():
+            if other_id == request_id or choice is None or choice.replica not in loads or chosen_at < recent:
+                continue
+            loads[choice.replica] += 1
+            if other_key.home == key.home:
+                running_opening.add(choice.replica)
+
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
-        """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed."""
+        """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed.
+
+        One probe at a time: requests that arrive together while the cache is stale (it keeps
+        an answer 10 s) wait for the same probe, not one each of every replica.
+        """
+        stale = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
+        if stale:
+            if self._probing is None or self._probing.done():
+                self._probing = asyncio.ensure_future(self._probe_queue_lens(stale, 0))
+            try:
+                await asyncio.shield(self._probing)  # (Serve's probe puts its answers in the cache)
+            except Exception:  # no loads to prefer by: load's own choice still follows
+                logger.debug("prefix routing: probing queue lengths failed", exc_info=True)
         loads: dict[str, int] = {}
-        stale = []
         for replica in replicas:
             queue_len = self._replica_queue_len_cache.get(replica.replica_id)
-            if queue_len is None:
-                stale.append(replica)
-            else:
+            if queue_len is not None:  # no answer in time: not a candidate to prefer
                 loads[replica.replica_id.unique_id] = queue_len
-        if stale:
-            for replica, queue_len in await self._probe_queue_lens(stale, 0):
-                if queue_len is not None:  # no answer in time: not a candidate to prefer
-                    loads[replica.replica_id.unique_id] = queue_len
         return loads
 
     def _by_unique_id(self, unique_id: str | None) -> RunningReplica | None:

@@ -14,8 +14,12 @@ a prompt that began with them. :func:`choose` prefers, in order:
    hashing, so every ingress replica (each has its own table) sends a conversation's first
    turn, and any later turn it has not seen, to the same replica;
 
-and drops the preference when that replica runs more than ``max_load_gap`` requests beyond
-the least busy one: load first, so one hot prefix cannot pile every request on one replica.
+and drops the preference (load decides) when that replica runs more than ``max_load_gap``
+requests beyond the least busy one, or when it already runs a request of the same opening and
+another replica is less busy. The first bounds how much affinity may unbalance the replicas;
+the second keeps one hot prompt (many conversations that start alike) from piling on one
+replica at any load: the prompt is computed once more on a less busy replica, which is then
+remembered as holding it too, and later copies go to the least busy of its holders.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Decision(str, enum.Enum):
     AFFINITY = "affinity"  # a replica that was sent this prompt's prefix, beyond its opening
     HOME = "home"  # the conversation's home replica (by its opening)
     FALLBACK = "fallback"  # the preferred replica was too busy (or refused it): chosen by load
+    SPREAD = "spread"  # the preferred replica runs this opening already and another is less busy: by load
     BY_LOAD = "by_load"  # nothing to prefer (no prompt text): chosen by load
 
 
@@ -54,10 +59,28 @@ def opening_digest(opening: str) -> bytes:
     return hashlib.blake2b(opening.encode(), digest_size=16).digest()
 
 
+# A new conversation's home is the first replica in its rendezvous order that runs fewer than
+# this times the mean load (one more request counted): hashing a few dozen conversations over
+# 8 replicas gives the unluckiest one about twice the mean; bounded, 1.25x.
+HOME_LOAD_FACTOR = 1.25
+
+
+def rendezvous_order(home: bytes, replicas: Iterable[str]) -> list[str]:
+    """``replicas`` in ``home``'s rendezvous order: the same in every process, and when a
+    replica leaves or joins only the conversations it heads (or comes to head) move."""
+    return sorted(replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest())[::-1]
+
+
 def home_replica(home: bytes, replicas: Iterable[str]) -> str:
-    """The replica rendezvous hashing gives ``home``: the same in every process, and when a
-    replica leaves or joins only the conversations whose home it was (or becomes) move."""
-    return max(replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest())
+    """The replica rendezvous hashing gives ``home`` (whatever the loads)."""
+    return rendezvous_order(home, replicas)[0]
+
+
+def bounded_home(home: bytes, loads: Mapping[str, int]) -> str:
+    """The conversation's home among ``loads``: the first in rendezvous order below the load bound."""
+    bound = HOME_LOAD_FACTOR * (sum(loads.values()) + 1) / len(loads)
+    ranked = rendezvous_order(home, loads)
+    return next((replica for replica in ranked if loads[replica] < bound), ranked[0])
 
 
 @dataclass(frozen=True)
@@ -124,15 +147,60 @@ class PrefixTable:
                     del self._holders[block]
 
 
-def choose(key: RoutingKey, table: PrefixTable, loads: Mapping[str, int], max_load_gap: int) -> Choice:
-    """The replica for ``key`` among ``loads`` (replica -> requests it runs), or None for load to decide."""
+def choose(
+    key: RoutingKey,
+    table: PrefixTable,
+    loads: Mapping[str, int],
+    max_load_gap: int,
+    running_opening: Collection[str] = (),
+) -> Choice:
+    """The replica for ``key`` among ``loads`` (replica -> requests it runs), or None for load to decide.
+
+    ``running_opening``: the replicas running a request with the same opening now.
+    """
     if not loads:
         return Choice(None, Decision.BY_LOAD)
     depth, holders = table.longest_match(key.blocks, loads.keys())
     if depth and depth >= key.opening_blocks:
         preferred, decision = min(holders, key=loads.__getitem__), Decision.AFFINITY
     else:
-        preferred, decision = home_replica(key.home, loads), Decision.HOME
-    if loads[preferred] - min(loads.values()) > max_load_gap:
+        preferred, decision = bounded_home(key.home, loads), Decision.HOME
+    least = min(loads.values())
+    if loads[preferred] - least > max_load_gap:
         return Choice(None, Decision.FALLBACK, depth)
+    if preferred in running_opening and loads[preferred] > least:
+        return Choice(None, Decision.SPREAD, depth)
     return Choice(preferred, decision, depth)
+
+
+class RunningOpenings:
+    """Which replicas run a request of which opening now (the requests this router sent)."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests  # (a request whose end is never reported is dropped)
+        self._requests: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._count: dict[tuple[str, bytes], int] = {}
+
+    def started(self, request_id: str, replica: str, home: bytes) -> None:
+        self._requests[request_id] = (replica, home)
+        self._count[replica, home] = self._count.get((replica, home), 0) + 1
+        while len(self._requests) > self.max_requests:
+            self.ended(next(iter(self._requests)))
+
+    def ended(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        left = self._count[entry] - 1
+        if left:
+            self._count[entry] = left
+        else:
+            del self._count[entry]
+
+    def replicas(self, home: bytes, among: Iterable[str]) -> set[str]:
+        return {replica for replica in among if (replica, home) in self._count}
+
+    def forget(self, replica: str) -> None:
+        for request_id, (held_by, _) in list(self._requests.items()):
+            if held_by == replica:
+                self.ended(request_id)

@@ -9,6 +9,8 @@ from serve_app.prefix_routing.table import (
     Decision,
     PrefixTable,
     RoutingKey,
+    RunningOpenings,
+    bounded_home,
     choose,
     home_replica,
     opening_digest,
@@ -104,6 +106,74 @@ def test_one_hot_prefix_spreads_over_every_replica_it_overflows_to():
         in_flight.append(replica)
     mean = sum(counts.values()) / len(counts)
     assert max(counts.values()) <= 1.3 * mean, counts
+
+
+def test_one_hot_opening_is_spread_even_below_the_load_gap():
+    """Eight conversations that all start alike, sent at once to two idle replicas: the first
+    goes home, each next one to a less busy replica than one already running that opening."""
+    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    loads = {"r1": 0, "r2": 0}
+    hot = key("You are a helpful assistant. Question 1?", "You are a helpful assistant. Question 1?")
+    decisions = []
+    for n in range(8):
+        choice = choose(hot, table, loads, max_load_gap=16, running_opening=running.replicas(hot.home, loads))
+        replica = choice.replica or min(loads, key=loads.__getitem__)  # (load's choice, simplified)
+        decisions.append(choice.decision)
+        table.record(hot.blocks, replica)
+        running.started(f"req{n}", replica, hot.home)
+        loads[replica] += 1
+    assert loads == {"r1": 4, "r2": 4}, (loads, decisions)
+    assert Decision.SPREAD in decisions
+
+
+def test_a_later_turn_stays_with_its_history_while_other_openings_run_there():
+    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    opening = "System: be brief. User: hello"
+    turn_2 = key(opening + " Assistant: hi. User: and then?", opening)
+    table.record(prefix_blocks(opening + " Assistant: hi.", BLOCK), "r2")
+    other = key("System: another conversation", "System: another conversation")
+    running.started("other", "r2", other.home)
+    loads = {"r1": 0, "r2": 5}
+    choice = choose(turn_2, table, loads, max_load_gap=16, running_opening=running.replicas(turn_2.home, loads))
+    assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
+
+
+def test_running_openings_end_are_forgotten_and_bounded():
+    running = RunningOpenings(max_requests=2)
+    running.started("a", "r1", b"x")
+    running.started("b", "r2", b"x")
+    assert running.replicas(b"x", ["r1", "r2", "r3"]) == {"r1", "r2"}
+    running.ended("a")
+    running.ended("a")  # (reported twice: no effect)
+    assert running.replicas(b"x", ["r1", "r2"]) == {"r2"}
+    running.forget("r2")
+    assert running.replicas(b"x", ["r1", "r2"]) == set()
+    for n in range(5):
+        running.started(f"c{n}", "r3", b"y")
+    assert running.replicas(b"y", ["r3"]) == {"r3"}  # the two newest are followed
+    running.ended("c4")
+    running.ended("c3")
+    assert running.replicas(b"y", ["r3"]) == set()
+
+
+def test_new_conversations_arriving_together_get_homes_within_the_load_bound():
+    """64 first turns at once on 8 replicas: rendezvous alone gives the unluckiest replica about
+    twice the mean; bounded, none runs more than 1.25x the mean (one request of rounding)."""
+    loads = {f"r{n}": 0 for n in range(8)}
+    unbounded = dict.fromkeys(loads, 0)
+    for n in range(64):
+        home = opening_digest(f"conversation {n}")
+        loads[bounded_home(home, loads)] += 1
+        unbounded[home_replica(home, loads)] += 1
+    assert max(loads.values()) <= 1.25 * 8 + 1, loads
+    assert max(unbounded.values()) > max(loads.values()), unbounded  # (what the bound is for)
+
+
+def test_with_equal_loads_the_home_is_the_rendezvous_one():
+    loads = {f"r{n}": 3 for n in range(4)}
+    for n in range(20):
+        home = opening_digest(f"conversation {n}")
+        assert bounded_home(home, loads) == home_replica(home, loads)
 
 
 def test_a_replica_that_left_is_forgotten():
