@@ -12,9 +12,10 @@ so vLLM's own counters, read from Ray's metrics endpoint between rounds, separat
 the later turns.
 
 Reported: vLLM's prefix-cache hit rate (``prefix_cache_hits`` / ``prefix_cache_queries``) of
-turn 1 and of turns >= 2, the same from each answer's ``cached_tokens``, TTFT p50/p99 of turns
->= 2, and requests per model replica (vLLM's ``request_success`` by replica) with the busiest
-replica's share against the mean.
+turn 1 and of turns >= 2, the same from each answer's ``cached_tokens``, the most turns >= 2
+could find cached (each previous prompt in whole KV blocks of vLLM's ``block_size``: 128 on CPU,
+16 on GPUs), TTFT p50/p99 of turns >= 2, and requests per model replica (vLLM's
+``request_success`` by replica) with the busiest replica's share against the mean.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import statistics
 import sys
 import time
@@ -34,17 +36,22 @@ import httpx
 HITS = "ray_vllm_prefix_cache_hits_total"  # vLLM's counters, as Ray exports them
 QUERIES = "ray_vllm_prefix_cache_queries_total"
 SUCCESS = "ray_vllm_request_success_total"
+COUNTED = (HITS, QUERIES, SUCCESS)
+CACHE_CONFIG = "ray_vllm_cache_config_info"  # its block_size label: the prefix cache's unit
 
 
 async def engine_counters(client: httpx.AsyncClient, metrics_url: str, model: str) -> dict[str, dict[str, float]]:
-    """vLLM's prefix-cache and finished-request counters of ``model``, per model replica."""
+    """vLLM's prefix-cache and finished-request counters of ``model``, per model replica, and
+    its KV block size (as ``block_size`` of replica "")."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     text = (await client.get(metrics_url)).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (HITS, QUERIES, SUCCESS) and sample.labels.get("model_name") == model:
+            if sample.name == CACHE_CONFIG:  # (the same for every replica of the one model served)
+                counters[""]["block_size"] = float(sample.labels["block_size"])
+            elif sample.name in COUNTED and sample.labels.get("model_name") == model:
                 counters[sample.labels.get("ReplicaId", "")][sample.name] += sample.value
     return counters
 
@@ -97,7 +104,7 @@ def opening(n: int, args: argparse.Namespace) -> list[dict]:
     """Conversation ``n``'s system prompt(s) and first question."""
     who = 0 if args.hot else n
     shared = " ".join(f"policy{i % 97}" for i in range(args.shared_system_tokens))
-    own = f"Conversation {who}. " + "".join(f"Rule {who}.{i}: be brief. " for i in range(1000))
+    own = f"Run {args.run}, conversation {who}. " + "".join(f"Rule {who}.{i}: be brief. " for i in range(1000))
     system = " ".join(part for part in (shared, own[: args.own_system_chars]) if part)
     messages = [{"role": "system", "content": system}] if system else []
     return [*messages, {"role": "user", "content": f"Question 1 of conversation {who}?"}]
@@ -133,11 +140,24 @@ def summarize(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         return hits / queries if queries else float("nan")
 
     later = [result for r in rounds[1:] for result in r["results"]]
+    # The most a turn can find cached: the previous turn's prompt in whole KV blocks (the new
+    # answer and question are not cached anywhere yet).
+    block = int(rounds[-1]["after"].get("", {}).get("block_size", 1))
+    ceiling = sum(
+        previous["prompt"] // block * block
+        for before, after in zip(rounds, rounds[1:], strict=False)
+        for previous in before["results"]
+    ) / max(1, sum(r["prompt"] for r in later))
+    for r in rounds:
+        for counters in (r["before"], r["after"]):
+            counters.pop("", None)
     per_replica: dict[str, float] = defaultdict(float)
     for r in rounds:
         for replica, count in change(r["before"], r["after"], SUCCESS).items():
             per_replica[replica] += count
-    counts = [c for c in per_replica.values() if c > 0] or [0.0]
+    # Replicas that served nothing count too (Ray keeps exporting replicas that are gone).
+    per_replica = {replica: count for replica, count in per_replica.items() if count > 0}
+    counts = list(per_replica.values()) + [0.0] * max(0, args.replicas - len(per_replica))
     ttfts = [1000 * r["ttft_s"] for r in later if r["ttft_s"] is not None]
     return {
         "conversations": args.conversations,
@@ -149,9 +169,12 @@ def summarize(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         "hit_rate_later_turns": vllm_rate(rounds[1:]),
         "hit_rate_all_turns": vllm_rate(rounds),
         "cached_share_later_turns": sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later)),
+        "block_size": block,
+        "ceiling_later_turns": ceiling,
+        "prompt_tokens_mean_later_turns": statistics.mean(r["prompt"] for r in later) if later else 0,
         "ttft_ms_later_turns": {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99)},
         "requests_per_replica": dict(per_replica),
-        "busiest_over_mean": max(counts) / statistics.mean(counts),
+        "busiest_over_mean": max(counts) / statistics.mean(counts) if counts else float("nan"),
     }
 
 
@@ -165,9 +188,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shared-system-tokens", type=int, default=0, help="words of a system prompt all share")
     parser.add_argument("--own-system-chars", type=int, default=400, help="characters of each one's own system prompt")
     parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument(
+        "--run", default=secrets.token_hex(4), help="named in every own system prompt: a new run finds nothing cached"
+    )
     parser.add_argument("--hot", action="store_true", help="every conversation sends the same messages")
     parser.add_argument(
         "--scrape-wait-s", type=float, default=12.0, help="wait for Ray's metrics export before reading"
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=0, help="model replicas serving (those that served nothing count as 0)"
     )
     parser.add_argument("--out", type=Path, help="write the summary as JSON")
     return parser.parse_args(argv)
