@@ -80,6 +80,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._probing: asyncio.Future[Any] | None = None
         # Per request being routed (by Serve's internal id): its key, what was chosen and when.
         self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None, float]] = OrderedDict()
+        # Requests whose end Serve reported before their routing (a short one may end first).
+        self._ended_unrouted: OrderedDict[str, None] = OrderedDict()
         self._metrics = metrics.PrefixRoutingMetrics(model)
 
     async def choose_replicas(
@@ -109,14 +111,23 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if key is None:
             return
         self._table.record(key.blocks, replica_id.unique_id)
-        self._running.started(pending_request.metadata.internal_request_id, replica_id.unique_id, key.home)
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._ended_unrouted:
+            del self._ended_unrouted[request_id]
+        else:
+            self._running.started(request_id, replica_id.unique_id, key.home)
         decision = Decision.BY_LOAD if choice is None else choice.decision
         if choice is not None and choice.replica not in (None, replica_id.unique_id):
             decision = Decision.FALLBACK  # the preferred replica refused it (full) or left
         self._metrics.routed(decision.value, len(self._table))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._running.ended(internal_request_id)
+        if internal_request_id in self._routing:
+            self._ended_unrouted[internal_request_id] = None
+            while len(self._ended_unrouted) > REMEMBERED_REQUESTS:
+                self._ended_unrouted.popitem(last=False)
+        else:
+            self._running.ended(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = set(self._replica_id_set)
