@@ -225,11 +225,10 @@ async def test_stream_without_its_first_token_in_time_is_504_and_aborted(app, on
 
 
 BURST = 480  # far above one replica's 64 running + 256 queued
-# Long enough that the queue cannot drain while the burst is still arriving (its 480
-# requests reach the replica over a second or two; 8-token answers once let every one
-# in), short enough that the last of the 320 admitted finishes within the CPU config's
-# 60 s request limit even while the burst's own scale-out loads a second engine (at 32
-# tokens a CI rehearsal saw some of them pass it: 504).
+HELD = 64 + 256  # what one replica runs and its router queues (the CPU config)
+# Short enough that the last of the 320 admitted finishes within the CPU config's 60 s
+# request limit even while the burst's own scale-out loads a second engine (at 32 tokens a
+# CI rehearsal saw some of them pass it: 504).
 BURST_TOKENS = 24
 GRPC_CALLS = 16  # sent while the queue is full
 
@@ -295,7 +294,15 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(app, o
             response = await client.post("/v1/chat/completions", json=body)
             return response.status_code, time.monotonic() - start, response
 
-        results = await asyncio.gather(*(one() for _ in range(BURST)))
+        # The engine is frozen while the burst arrives: otherwise, on 2 cores, the replica may
+        # drain the queue as fast as the client fills it (a CI run: all 480 admitted, no 429).
+        [engines] = (await asyncio.to_thread(replica_engines, one_replica)).values()
+        with stopped(engines):
+            burst = [asyncio.create_task(one()) for _ in range(BURST)]
+            start = time.monotonic()  # (the engine-stall limit, 20 s, replaces a replica frozen longer)
+            while sum(task.done() for task in burst) < BURST - HELD and time.monotonic() - start < 15:
+                await asyncio.sleep(0.05)  # poll interval of the condition above
+        results = await asyncio.gather(*burst)
         statuses = {status for status, _, _ in results}
         assert statuses <= {200, 429}, statuses
         done = [t for s, t, r in results if s == 200 and r.json()["usage"]["completion_tokens"] == BURST_TOKENS]
