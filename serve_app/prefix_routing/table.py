@@ -12,7 +12,8 @@ a prompt that began with them. :func:`choose` prefers, in order:
    history, or a prompt seen before whole);
 2. else the conversation's *home*: a replica picked from the opening alone by rendezvous
    hashing, so every ingress replica (each has its own table) sends a conversation's first
-   turn, and any later turn it has not seen, to the same replica;
+   turn, and any later turn it has not seen, to the same replica (the first in rendezvous
+   order below 1.25x the mean load, so a few unlucky replicas do not collect the homes);
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
 requests beyond the least busy one, or when it already runs a request of the same opening and
@@ -68,7 +69,9 @@ HOME_LOAD_FACTOR = 1.25
 def rendezvous_order(home: bytes, replicas: Iterable[str]) -> list[str]:
     """``replicas`` in ``home``'s rendezvous order: the same in every process, and when a
     replica leaves or joins only the conversations it heads (or comes to head) move."""
-    return sorted(replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest())[::-1]
+    return sorted(
+        replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest(), reverse=True
+    )
 
 
 def home_replica(home: bytes, replicas: Iterable[str]) -> str:
