@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.cluster_env import cluster_env
+
 START_TIMEOUT_S = 120
 
 
@@ -104,7 +106,7 @@ class RayCluster:
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
             ],
-            env=os.environ | self.env,
+            env=os.environ | cluster_env() | self.env,  # Serve's cluster settings, as `make serve` starts Ray
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -171,7 +173,7 @@ class RayNode:
                 "--dashboard-agent-listen-port",
                 str(free_port()),
             ],
-            env=os.environ | self.cluster.env,
+            env=os.environ | cluster_env() | self.cluster.env,  # Serve's cluster settings, as on the head
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
