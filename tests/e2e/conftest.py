@@ -26,7 +26,6 @@ import yaml
 
 from tests.e2e.ray_cluster import RayCluster, free_port
 from tests.e2e.telemetry import OTLPCollector
-from tools.cluster_env import cluster_env
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "deploy" / "config.cpu.yaml"
@@ -155,7 +154,6 @@ def app(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[RunningApp]:
         proc = subprocess.Popen(
             [str(serve_cli), "run", "--address", ray_cluster.address, str(config_path)],
             cwd=REPO,
-            env=os.environ | cluster_env(),  # as `make serve` runs it
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

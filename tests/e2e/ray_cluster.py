@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.cluster_env import cluster_env
-
 START_TIMEOUT_S = 120
 
 
@@ -106,7 +104,7 @@ class RayCluster:
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
             ],
-            env=os.environ | cluster_env() | self.env,  # Serve's cluster settings, as `make serve` starts Ray
+            env=os.environ | self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -173,7 +171,7 @@ class RayNode:
                 "--dashboard-agent-listen-port",
                 str(free_port()),
             ],
-            env=os.environ | cluster_env() | self.cluster.env,  # Serve's cluster settings, as on the head
+            env=os.environ | self.cluster.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
