@@ -271,3 +271,18 @@ async def test_sse_payloads_stay_whole_across_pieces_and_unicode_line_separators
 
     response = httpx.Response(200, content=stream())
     assert [p async for p in sse_payloads(response)] == events
+
+
+def test_a_burst_is_summarized_by_its_refusals_and_its_last_answer():
+    from benchmarks.burst_admission import Outcome, summarize
+
+    outcomes = [Outcome(429, 1.6), Outcome(200, 44.5), Outcome(429, 8.5), Outcome("ReadTimeout", 3.0)]
+    assert summarize(outcomes) == {
+        "refused": 2,
+        "completed": 1,
+        "other": ["ReadTimeout"],
+        "first_refusal_s": 1.6,
+        "last_refusal_s": 8.5,
+        "all_done_s": 44.5,
+    }
+    assert summarize([])["first_refusal_s"] is None
