@@ -45,6 +45,11 @@ def generation_config_fields(engine: Any) -> dict[str, Any]:
     return engine.input_processor.generation_config_fields
 
 
+def engine_core(engine: Any) -> Any:
+    """The engine-core client an ``AsyncLLM`` talks to (a simulated engine's core, where one runs)."""
+    return engine.engine_core
+
+
 def fail_engine_requests(engine: Any, error: Exception) -> None:
     """Give every request the engine holds ``error``, as vLLM does when its engine dies."""
     engine.output_processor.propagate_error(error)

@@ -1,8 +1,9 @@
 """The model deployment: one vLLM ``AsyncLLM`` engine per replica.
 
 With ``simulated_engine`` in the model's config, that ``AsyncLLM`` generates with
-:mod:`serve_app.simulated_engine` instead of vLLM's engine-core process; nothing
-else here changes.
+:mod:`serve_app.simulated_engine` instead of vLLM's engine-core process, and the
+replica follows the cluster's simulation switchboard (tests drive its engine
+through it); nothing else here changes.
 
 Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
 come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
@@ -23,7 +24,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from pydantic import BaseModel
@@ -44,6 +45,9 @@ from serve_app.replica.stream_transforms import (
     normalize_error_event,
 )
 from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
+
+if TYPE_CHECKING:
+    from serve_app.simulated_engine.core import SimulatedEngineCore
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,6 +71,7 @@ class ModelServer:
 
         from serve_app.glm4 import serving as glm4_serving
         from serve_app.glm4.format import check_dtype
+        from serve_app.simulated_engine import switchboard
         from serve_app.simulated_engine.core import simulated_async_llm
 
         self.model_name = model.name
@@ -91,10 +96,16 @@ class ModelServer:
             stat_loggers=[engine_stat_logger(), progress_stat_logger(progress)],
             disable_log_stats=engine_args.disable_log_stats,
         )
+        self.simulated_core: SimulatedEngineCore | None = None
         if model.simulated_engine is None:
             self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
         else:
             self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
+            self.simulated_core = vllm_internals.engine_core(self.engine)
+            # Tests drive it through the cluster's switchboard, which reaches a full replica too.
+            self._follow_controls = asyncio.get_running_loop().create_task(
+                switchboard.follow(ray.get_runtime_context().get_actor_id(), self.simulated_core.control)
+            )
             await asyncio.sleep(model.simulated_engine.load_s)  # the model's load time
         # vLLM's serving objects read a flat namespace of front-end and engine
         # arguments, as its CLI parser produces: nested configs given as mappings

@@ -40,12 +40,16 @@ DELIVER_S = 3.0
 
 @dataclass
 class EngineProgress:
-    """When the engine last produced output, or was last seen idle (monotonic seconds)."""
+    """When the engine last produced output, or was last seen idle (seconds of ``clock``)."""
 
-    last_output_at: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic
+    last_output_at: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_output_at = self.clock()
 
     def saw_output(self) -> None:
-        self.last_output_at = time.monotonic()
+        self.last_output_at = self.clock()
 
 
 @dataclass
@@ -78,7 +82,7 @@ class EngineWatch:
         if self.held() == 0:
             self.progress.saw_output()  # idle is not stuck: the clock starts with the next request
             return 0.0
-        return time.monotonic() - self.progress.last_output_at
+        return self.progress.clock() - self.progress.last_output_at
 
     @contextmanager
     def call(self) -> Iterator[None]:

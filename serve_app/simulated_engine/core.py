@@ -9,7 +9,9 @@ step, whatever the number of sequences, and no thread.
 
 Steps run back to back on the simulated clock while there is work, so a slow
 event loop delays when outputs are read, as a busy API server does, but not
-what the GPU would have produced by then.
+what the GPU would have produced by then. Tests drive it through
+:meth:`SimulatedEngineCore.control` (:mod:`serve_app.simulated_engine.controls`):
+pause, pace, death and hang.
 
 vLLM's types are imported here, once, not per step or per token: this module is
 loaded only where an engine runs (a model replica, a benchmark), never by the ingress.
@@ -32,12 +34,14 @@ from vllm.v1.engine import (
     EngineCoreOutputs,
     FinishReason,
 )
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.stats import PrefillStats, PrefixCacheStats, SchedulerStats
 from vllm.v1.outputs import LogprobsLists
 
 from serve_app import vllm_internals
 from serve_app.config import SimulatedEngineConfig
 from serve_app.simulated_engine.batch import ContinuousBatch, Emitted, Finish, SimSequence
+from serve_app.simulated_engine.controls import HEARTBEAT_S, Control, EngineState, Switches
 from serve_app.simulated_engine.prefix_cache import PrefixCache, block_hashes
 from serve_app.simulated_engine.timing import GpuTiming
 
@@ -75,8 +79,13 @@ class SimulatedEngineCore:
         self.resources = _Resources()
         self._vocabulary = frozenset(vocabulary)
         self._seeds = random.Random(config.seed)
-        self._work = asyncio.Event()
+        self._work = asyncio.Event()  # a request arrived or a control changed
+        self._controlled = asyncio.Event()  # a control changed
         self._clock_s = 0.0
+        self.switches = Switches()
+        self._next_heartbeat_s = 0.0
+        self.steps = self.tokens = 0
+        self.busy_s = 0.0
         # What vLLM's engine core reports at start (read by vLLM's metrics and logs).
         cache = vllm_config.cache_config
         cache.block_size = config.kv_block_tokens
@@ -88,6 +97,8 @@ class SimulatedEngineCore:
 
     async def add_request_async(self, request: Any) -> None:
         """Queue one ``EngineCoreRequest`` (one choice of a request)."""
+        if self.resources.engine_dead:
+            raise EngineDeadError()  # as vLLM's client refuses input for a dead engine core
         params = request.sampling_params
         if params is None:
             raise ValueError("the simulated engine only generates text")
@@ -125,27 +136,77 @@ class SimulatedEngineCore:
         self._work.set()
 
     async def abort_requests_async(self, request_ids: Iterable[str]) -> None:
-        self.batch.abort(request_ids)
+        if not self.resources.engine_dead:
+            self.batch.abort(request_ids)
 
     async def get_output_async(self) -> Any:
-        """The outputs of the next engine step, once its simulated time has passed."""
+        """The outputs of the next engine step, once its simulated time has passed.
+
+        Paused, an empty output (scheduler stats only) every ``HEARTBEAT_S``; hung, nothing;
+        dead, vLLM's ``EngineDeadError``, as its client raises when the engine core died.
+        """
         loop = asyncio.get_running_loop()
         while True:
+            if self.resources.engine_dead:
+                raise EngineDeadError(suppress_context=True)
+            if self.switches.hung:
+                await _wait(self._controlled)
+                continue
+            if self.switches.paused:
+                if await _wait(self._controlled, self._next_heartbeat_s - loop.time()):
+                    continue
+                self._next_heartbeat_s = loop.time() + HEARTBEAT_S
+                return EngineCoreOutputs(outputs=[], scheduler_stats=self._scheduler_stats())
             if not self.batch.running:  # idle until now: the next step starts now
                 self._clock_s = max(self._clock_s, loop.time())
             step = self.batch.schedule(self._clock_s)
             if step is None:
-                self._work.clear()
-                await self._work.wait()
+                await _wait(self._work)
                 continue
+            end_s = step.start_s + step.duration_s * self.switches.pace
             # Always yield, even when behind: the output handler must not starve the loop.
-            await asyncio.sleep(max(0.0, step.end_s - loop.time()))
-            self._clock_s = step.end_s
+            await asyncio.sleep(max(0.0, end_s - loop.time()))
+            self._clock_s = end_s
             emitted = self.batch.complete(step)
+            self.steps += 1
+            self.tokens += len(emitted)
+            self.busy_s += end_s - step.start_s
             return EngineCoreOutputs(
                 outputs=[_engine_core_output(e, self.batch.vocabulary) for e in emitted],
                 scheduler_stats=self._scheduler_stats(),
             )
+
+    def control(self, control: Control, pace: float | None = None) -> EngineState:
+        """Apply ``control`` and return the state after it (see :class:`Control`).
+
+        A step under way when the engine is paused, hung or failed still ends and
+        delivers its tokens, as a GPU finishes the step it has launched.
+        """
+        if control is Control.FAIL:
+            self.resources.engine_dead = True
+        else:
+            was_held = self.switches.paused or self.switches.hung
+            self.switches.apply(control, pace)
+            loop = asyncio.get_running_loop()
+            if was_held and not (self.switches.paused or self.switches.hung):
+                self._clock_s = loop.time()  # the next step starts now: no catching up on the pause
+            self._next_heartbeat_s = loop.time() + HEARTBEAT_S
+        self._controlled.set()
+        self._work.set()
+        return self.state()
+
+    def state(self) -> EngineState:
+        return EngineState(
+            paused=self.switches.paused,
+            hung=self.switches.hung,
+            dead=self.resources.engine_dead,
+            pace=self.switches.pace,
+            running=len(self.batch.running),
+            waiting=len(self.batch.waiting),
+            steps=self.steps,
+            tokens=self.tokens,
+            busy_s=self.busy_s,
+        )
 
     def _scheduler_stats(self) -> Any:
         stats = SchedulerStats(
@@ -174,6 +235,16 @@ class SimulatedEngineCore:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Nothing to stop: no process, no thread (AsyncLLM cancels its output handler)."""
+
+
+async def _wait(event: asyncio.Event, timeout_s: float | None = None) -> bool:
+    """Wait for ``event`` (then clear it) at most ``timeout_s``; whether it was set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s if timeout_s is None else max(0.0, timeout_s))
+    except TimeoutError:
+        return False
+    event.clear()
+    return True
 
 
 def _engine_core_output(emitted: Emitted, vocabulary: Sequence[int]) -> Any:
