@@ -50,6 +50,7 @@ ROUTED_METHODS = frozenset({"chat", "completion"})  # the model replica's genera
 REMEMBERED_REQUESTS = 4096  # keys of requests being routed, kept between their routing attempts
 RUNNING_REQUESTS = 65_536  # requests followed until they end (ends Serve never reports drop out)
 CHOSEN_NOT_SENT_S = 1.0  # how long a choice counts as load before Serve's own count has it
+PROBE_ATTEMPTS = 3  # queue-length probes of a replica that has not answered, each with a longer deadline
 
 
 def template_text(chat_template: str | None) -> str:
@@ -189,7 +190,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stale = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
         if stale:
             if self._probing is None or self._probing.done():
-                self._probing = asyncio.ensure_future(self._probe_queue_lens(stale, 0))
+                self._probing = asyncio.ensure_future(self._probe_until_answered(stale))
             try:
                 await asyncio.shield(self._probing)  # (Serve's probe puts its answers in the cache)
             except Exception:  # no loads to prefer by: load's own choice still follows
@@ -200,6 +201,18 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if queue_len is not None:  # no answer in time: not a candidate to prefer
                 loads[replica.replica_id.unique_id] = queue_len
         return loads
+
+    async def _probe_until_answered(self, replicas: list[RunningReplica]) -> None:
+        """Probe with Serve's own growing deadlines (0.1, 0.2, 0.4 s by default) until each answers.
+
+        A replica busy streaming can miss the first 0.1 s deadline; left out of the loads it
+        could not be preferred, and a conversation's next turn would lose its cached history.
+        """
+        for backoff_index in range(PROBE_ATTEMPTS):
+            unanswered = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
+            if not unanswered:
+                return
+            await self._probe_queue_lens(unanswered, backoff_index)
 
     def _by_unique_id(self, unique_id: str | None) -> RunningReplica | None:
         if unique_id is None:

@@ -17,10 +17,13 @@ a prompt that began with them. :func:`choose` prefers, in order:
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
 requests beyond the least busy one, or when it already runs a request of the same opening and
-another replica is less busy. The first bounds how much affinity may unbalance the replicas;
-the second keeps one hot prompt (many conversations that start alike) from piling on one
-replica at any load: the prompt is computed once more on a less busy replica, which is then
-remembered as holding it too, and later copies go to the least busy of its holders.
+another replica is less busy, unless the prompt carries history that replica holds. The first
+bounds how much affinity may unbalance the replicas; the second keeps one hot prompt (many
+conversations that start alike) from piling on one replica at any load: the prompt is computed
+once more on a less busy replica, which is then remembered as holding it too, and later copies
+go to the least busy of its holders. A conversation's later turn is not a copy: it stays with
+its history, also while a request of its opening runs there (a sibling that started alike, or
+its own previous turn, whose end the router may not have been told of yet).
 """
 
 from __future__ import annotations
@@ -171,7 +174,9 @@ def choose(
     least = min(loads.values())
     if loads[preferred] - least > max_load_gap:
         return Choice(None, Decision.FALLBACK, depth)
-    if preferred in running_opening and loads[preferred] > least:
+    # A copy of a prompt seen whole, or a conversation's start, spreads; history stays where it is.
+    copy_or_start = decision is Decision.HOME or depth == len(key.blocks)
+    if copy_or_start and preferred in running_opening and loads[preferred] > least:
         return Choice(None, Decision.SPREAD, depth)
     return Choice(preferred, decision, depth)
 

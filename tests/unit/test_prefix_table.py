@@ -138,6 +138,25 @@ def test_a_later_turn_stays_with_its_history_while_other_openings_run_there():
     assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
 
 
+def test_a_later_turn_stays_with_its_history_while_its_own_opening_runs_there():
+    """Its previous turn may not have been reported ended yet when the next one arrives (the
+    client has its answer first), or a conversation that started alike runs there: a later turn
+    still goes where its history is, not to a less busy replica that holds none of it."""
+    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    opening = "System: be brief. User: hello"
+    turn_1 = key(opening, opening)
+    table.record(turn_1.blocks, "r2")
+    running.started("turn-1, not yet reported ended", "r2", turn_1.home)
+    turn_2 = key(opening + " Assistant: hi. User: and then?", opening)
+    table.record(prefix_blocks(opening + " Assistant: hi.", BLOCK), "r2")
+    loads = {"r1": 0, "r2": 1}
+    choice = choose(turn_2, table, loads, max_load_gap=16, running_opening=running.replicas(turn_2.home, loads))
+    assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
+    # A copy of the first turn itself (seen whole) is spread, as one hot prompt is.
+    copy = choose(turn_1, table, loads, max_load_gap=16, running_opening=running.replicas(turn_1.home, loads))
+    assert (copy.replica, copy.decision) == (None, Decision.SPREAD)
+
+
 def test_running_openings_end_are_forgotten_and_bounded():
     running = RunningOpenings(max_requests=2)
     running.started("a", "r1", b"x")
