@@ -11,7 +11,7 @@ SCAN_STAMP := $(SCAN_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model k8s-sync lock proto clean
+.PHONY: install serve test lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -55,7 +55,11 @@ serve: install tiny-model
 	$(BIN)/python -m tools.ready_line $(CONFIG) & \
 	$(BIN)/serve run --address auto $(CONFIG)
 
-test: install tiny-model $(SCAN_STAMP)
+# Debian's Prometheus, for the dashboard and alerting-rule test (apt, as root or with sudo).
+prometheus:
+	tools/install-prometheus
+
+test: install tiny-model $(SCAN_STAMP) prometheus
 	$(BIN)/python -m pytest -v --durations=15
 
 lint: install
@@ -66,7 +70,7 @@ lint: install
 unit: install $(SCAN_STAMP)
 	$(BIN)/python -m pytest -v -m "not e2e"
 
-e2e: install tiny-model
+e2e: install tiny-model prometheus
 	$(BIN)/python -m pytest -v -m e2e
 
 # Load benchmark of the app `make serve` runs (start it first, in another terminal).

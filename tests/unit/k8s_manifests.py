@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import subprocess
 import sys
@@ -20,19 +19,15 @@ MONITORING = K8S / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 KUBERNETES_VERSION = "1.33"
+# KubeRay's CRDs, verbatim from the release the manifests target (its SOURCE.txt says which).
+CRD_DIR = ROOT / "tests" / "data" / "kuberay"
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
-
-
-def crd_dir() -> Path:
-    path = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "kuberay"))
-    assert path.is_dir(), f"KubeRay CRD schemas not found in {path}: set KUBERAY_CRD_DIR"
-    return path
 
 
 @functools.cache
 def crd_schema(kind: str) -> dict[str, Any]:
     """The openAPIV3Schema of the served v1 version of a KubeRay CRD."""
-    crd = yaml.safe_load((crd_dir() / CRD_FILES[kind]).read_text())
+    crd = yaml.safe_load((CRD_DIR / CRD_FILES[kind]).read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return version["schema"]["openAPIV3Schema"]
 

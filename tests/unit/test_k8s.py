@@ -1,8 +1,8 @@
 """The Kubernetes manifests under k8s/: valid for KubeRay and Kubernetes, one serve config.
 
 Nothing here needs a cluster. RayService documents are checked against KubeRay's v1 CRD
-schemas (the directory in KUBERAY_CRD_DIR, which .ci/run sets; ../shared/kuberay by
-default), their serveConfigV2 against Ray's own ServeDeploySchema, and core objects with
+schemas (tests/data/kuberay, verbatim from the KubeRay release its SOURCE.txt names),
+their serveConfigV2 against Ray's own ServeDeploySchema, and core objects with
 kubernetes-validate. Each overlay is checked as `kubectl kustomize` renders it.
 """
 
@@ -64,6 +64,17 @@ def test_serve_config_is_a_file_of_deploy_verbatim_and_valid_for_ray(name):
     source = serve_config_file(name)
     assert text == source.read_text(), f"serveConfigV2 differs from {source.name}: run `make k8s-sync`"
     ServeDeploySchema.model_validate(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_no_model_a_cluster_serves_runs_the_simulated_engine(name):
+    """The simulated engine (and with it the simulation switchboard, which tests use to pause,
+    fail or hang an engine) exists only where a model's config asks for it: never in a config
+    a RayService carries."""
+    (rayservice,) = rayservices(name)
+    for application in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]:
+        for model in application["args"]["models"]:
+            assert model.get("simulated_engine") is None, (name, model["name"])
 
 
 def sync_module():
