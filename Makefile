@@ -46,14 +46,14 @@ $(TINY_MODEL)/tiny_model.json: $(STAMP) tools/tiny_model.py serve_app/glm4/forma
 # A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
 # Token authentication is on, as in production, whatever ran before: the token is
 # ~/.ray/auth_token (created here if absent), and Ray's own commands need RAY_AUTH_MODE=token.
-# One line says when the app can answer.
+# Ray starts with Serve's cluster settings from deploy/cluster.env. One line says when the app can answer.
 serve: export RAY_AUTH_MODE = token
 serve: install tiny-model
 	$(BIN)/ray get-auth-token --generate > /dev/null
-	$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
+	env $$($(BIN)/python -m tools.cluster_env) $(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
 	trap '$(BIN)/ray stop' EXIT INT TERM; \
 	$(BIN)/python -m tools.ready_line $(CONFIG) & \
-	$(BIN)/serve run --address auto $(CONFIG)
+	env $$($(BIN)/python -m tools.cluster_env) $(BIN)/serve run --address auto $(CONFIG)
 
 # Debian's Prometheus, for the dashboard and alerting-rule test (apt, as root or with sudo).
 prometheus:

@@ -63,9 +63,11 @@ async def grpc_stream_once(stub: pb_grpc.GenerationStub, workload: Workload, met
 class GRPCClients:
     """One channel per call in flight, kept open between calls: as the HTTP side's one connection each."""
 
-    def __init__(self, target: str, api_key: str | None = None) -> None:
+    def __init__(self, target: str, api_key: str | None = None, application: str | None = None) -> None:
         self.target = target
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if application:  # Serve's gRPC proxy routes by it when the cluster runs several applications
+            self.metadata += (("application", application),)
         self.idle: list[tuple[grpc.aio.Channel, pb_grpc.GenerationStub]] = []
         self.all: list[grpc.aio.Channel] = []
 

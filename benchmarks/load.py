@@ -111,11 +111,13 @@ class ClientPool(Protocol):
     async def aclose(self) -> None: ...
 
 
-def client_pool(protocol: str, url: str, grpc_target: str, api_key: str | None) -> ClientPool:
+def client_pool(
+    protocol: str, url: str, grpc_target: str, api_key: str | None, grpc_application: str | None = None
+) -> ClientPool:
     if protocol == "grpc":
         from benchmarks.grpc_client import GRPCClients
 
-        return GRPCClients(grpc_target, api_key)
+        return GRPCClients(grpc_target, api_key, grpc_application)
     return Clients(url, {"Authorization": f"Bearer {api_key}"} if api_key else {})
 
 
@@ -159,8 +161,9 @@ async def run(
     warmup: int,
     protocol: str = "http",
     grpc_target: str = "127.0.0.1:9000",
+    grpc_application: str | None = None,
 ) -> dict[str, Any]:
-    clients = client_pool(protocol, url, grpc_target, api_key)
+    clients = client_pool(protocol, url, grpc_target, api_key, grpc_application)
     try:
         if warmup:
             await run_load(clients, workload, Load(requests=warmup, concurrency=1))
@@ -204,6 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HTTP/SSE at --url, or the gRPC API at --grpc-target",
     )
     parser.add_argument("--grpc-target", default="127.0.0.1:9000", help="host:port of the gRPC API")
+    parser.add_argument(
+        "--grpc-application",
+        help="the Serve application to call (gRPC metadata 'application'); needed where the cluster runs several",
+    )
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--input-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -227,7 +234,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     workload = Workload(args.model, args.input_tokens, args.output_tokens, args.endpoint)
     loads = levels_from(args)
-    result = asyncio.run(run(args.url, workload, loads, args.api_key, args.warmup, args.protocol, args.grpc_target))
+    result = asyncio.run(
+        run(
+            args.url,
+            workload,
+            loads,
+            args.api_key,
+            args.warmup,
+            args.protocol,
+            args.grpc_target,
+            args.grpc_application,
+        )
+    )
     print_table(result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

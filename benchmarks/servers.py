@@ -23,6 +23,7 @@ import httpx
 import yaml
 
 from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
+from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 600
 
@@ -108,7 +109,8 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
     path.write_text(yaml.safe_dump(pinned, sort_keys=False))
     serve = Path(sys.executable).with_name("serve")
     url, grpc_target = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}" if "grpc_options" in config else None
-    return ServerCommand("this app", [str(serve), "run", str(path)], {}, cwd, url, "/health", grpc_target)
+    argv = [str(serve), "run", str(path)]  # a local Ray cluster, started with Serve's cluster settings
+    return ServerCommand("this app", argv, cluster_env(), cwd, url, "/health", grpc_target)
 
 
 def pin_one_replica(entry: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ waits for it, then prints::
 
     ready: http://127.0.0.1:8000/v1 serves glm-4-9b-chat (Ctrl-C stops it)
 
+A config of several applications gets one such line each, once all of them answer.
+
 Usage: ``python -m tools.ready_line deploy/config.cpu.yaml``. It gives up
 when the shell that started it ends (``serve run`` stopped) or after
 ``--timeout-s``.
@@ -39,15 +41,17 @@ class LocalApp:
         return f"ready: {self.base_url}/v1 serves {', '.join(self.models)} (Ctrl-C stops it)"
 
 
-def local_app(config: dict[str, Any]) -> LocalApp:
-    """Where a serve config's app answers, and the models it serves (the config is the one source)."""
+def local_apps(config: dict[str, Any]) -> list[LocalApp]:
+    """Where each of a serve config's applications answers, and the models it serves (the config is the one source)."""
     http = config.get("http_options") or {}
     host = http.get("host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    [application] = config["applications"]
-    prefix = (application.get("route_prefix") or "/").rstrip("/")
-    models = tuple(model["name"] for model in application["args"]["models"])
-    return LocalApp(f"http://{host}:{http.get('port', 8000)}{prefix}", models)
+    apps = []
+    for application in config["applications"]:
+        prefix = (application.get("route_prefix") or "/").rstrip("/")
+        models = tuple(model["name"] for model in application["args"]["models"])
+        apps.append(LocalApp(f"http://{host}:{http.get('port', 8000)}{prefix}", models))
+    return apps
 
 
 def wait_until_ready(app: LocalApp, timeout_s: float, parent_pid: int | None = None) -> bool:
@@ -69,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path, help="the serve config `serve run` was given")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args(argv)
-    app = local_app(yaml.safe_load(args.config.read_text()))
-    if not wait_until_ready(app, args.timeout_s, parent_pid=os.getppid()):
-        return 1
-    print(app.line(), flush=True)
+    apps = local_apps(yaml.safe_load(args.config.read_text()))
+    deadline = time.monotonic() + args.timeout_s
+    for app in apps:
+        if not wait_until_ready(app, deadline - time.monotonic(), parent_pid=os.getppid()):
+            return 1
+    print("\n".join(app.line() for app in apps), flush=True)
     return 0
 
 

@@ -1,12 +1,14 @@
-"""Start the real application once per test session and share it.
+"""Start the suite's applications once per test session and share them.
 
-The app is started as `make serve` starts it: a Ray head with token
-authentication, then ``serve run`` on the embedded default config
-``deploy/config.cpu.yaml`` (the real vLLM CPU engine on the tiny GLM-4 model).
-The head is the suite's own (:mod:`tests.e2e.ray_cluster`: its temp dir, token
-and ports), the HTTP and gRPC ports are free ones, and the standard OpenTelemetry
-variables are set in the app's ``runtime_env`` so its replicas export traces to
-the tests' collector: nothing collides with, or changes, what a developer runs.
+They are started as `make serve` starts an app: a Ray head with token authentication
+and Serve's cluster settings (deploy/cluster.env), then ``serve run`` on a config of two
+applications from deploy/ (:mod:`tests.e2e.apps`): the CPU app (``app``: the real vLLM
+CPU engine on the tiny GLM-4 model) and the bed (``sim_app``, and per test ``bed``: the
+production shape on the simulated engine, driven through its controls). The head is the
+suite's own (:mod:`tests.e2e.ray_cluster`: its temp dir, token and ports), the HTTP and
+gRPC ports are free ones, and the standard OpenTelemetry variables are set in the apps'
+``runtime_env`` so their replicas export traces to the tests' collector: nothing collides
+with, or changes, what a developer runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,25 +25,15 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e.apps import REPO, RunningApp, suite_config
 from tests.e2e.ray_cluster import RayCluster, free_port
+from tests.e2e.serve_state import DeploymentName, single_replica
+from tests.e2e.simulation import SimulatedEngines
 from tests.e2e.telemetry import OTLPCollector
+from tests.waiting import wait_until_blocking
+from tools.cluster_env import cluster_env
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "deploy" / "config.cpu.yaml"
 START_TIMEOUT_S = 420
-
-
-@dataclass(frozen=True)
-class RunningApp:
-    url: str
-    grpc_target: str  # host:port of Serve's gRPC proxy
-    model: str
-    model_path: Path  # the engine's checkpoint, for tests that need its tokenizer
-    log_path: Path
-    config_path: Path  # the config `serve run` was given
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def pytest_collection_modifyitems(items):
@@ -53,23 +44,22 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 
-def wait_until_healthy(url: str, proc: subprocess.Popen, app: RunningApp) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path) -> None:
+    def healthy() -> bool:
         if proc.poll() is not None:
-            pytest.fail(f"serve run exited with {proc.returncode} before the app was healthy:\n{app.log_tail()}")
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
+            pytest.fail(f"serve run exited with {proc.returncode} before the apps were healthy:\n{tail}")
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
+            return all(httpx.get(f"{url}/health", timeout=5).status_code == 200 for url in urls)
         except httpx.TransportError:
-            pass
-        time.sleep(1)  # poll interval of the condition above
-    pytest.fail(f"app not healthy after {START_TIMEOUT_S}s:\n{app.log_tail()}")
+            return False
+
+    wait_until_blocking(healthy, START_TIMEOUT_S, f"{urls} healthy", every_s=1)
 
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # serve run shuts the app down
+        proc.send_signal(signal.SIGINT)  # serve run shuts the apps down
         try:
             proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -125,49 +115,72 @@ def reload_ray_auth_settings() -> None:
 
 
 @pytest.fixture(scope="session")
-def app(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[RunningApp]:
-    config = yaml.safe_load(CONFIG.read_text())
+def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[tuple[RunningApp, RunningApp]]:
+    """The suite's serve config run as `make serve` runs one: the CPU app and the bed (tests/e2e/apps.py)."""
     port, grpc_port = free_port(), free_port()
-    config["http_options"]["port"] = port
-    config["grpc_options"]["port"] = grpc_port
-    env_vars = config["applications"][0].setdefault("runtime_env", {}).setdefault("env_vars", {})
-    env_vars["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = otlp_collector.endpoint
-    env_vars["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # what the collector speaks
-    env_vars["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms between span batches (default 5 s)
-    # Only requests whose client sends a sampled traceparent are traced: the rest of the
-    # suite's load adds no spans.
-    env_vars["OTEL_TRACES_SAMPLER"] = "parentbased_always_off"
+    config = suite_config(
+        port,
+        grpc_port,
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp_collector.endpoint,
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # what the collector speaks
+            "OTEL_BSP_SCHEDULE_DELAY": "200",  # ms between span batches (default 5 s)
+            # Only requests whose client sends a sampled traceparent are traced: the rest of
+            # the suite's load adds no spans.
+            "OTEL_TRACES_SAMPLER": "parentbased_always_off",
+        },
+    )
     workdir = tmp_path_factory.mktemp("serve")
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    model = config["applications"][0]["args"]["models"][0]
-    running = RunningApp(
-        url=f"http://127.0.0.1:{port}",
-        grpc_target=f"127.0.0.1:{grpc_port}",
-        model=model["name"],
-        model_path=REPO / model["engine_args"]["model"],
-        log_path=workdir / "serve.log",
-        config_path=config_path,
-    )
+    log_path = workdir / "serve.log"
+
+    def running_app(application: dict) -> RunningApp:
+        model = application["args"]["models"][0]
+        return RunningApp(
+            name=application["name"],
+            origin=f"http://127.0.0.1:{port}",
+            route_prefix=application["route_prefix"],
+            grpc_target=f"127.0.0.1:{grpc_port}",
+            model=model["name"],
+            model_path=REPO / model["engine_args"]["model"],
+            log_path=log_path,
+            config_path=config_path,
+        )
+
+    apps = (running_app(config["applications"][0]), running_app(config["applications"][1]))
     serve_cli = Path(sys.executable).with_name("serve")
-    with running.log_path.open("w") as log:
+    with log_path.open("w") as log:
         proc = subprocess.Popen(
             [str(serve_cli), "run", "--address", ray_cluster.address, str(config_path)],
             cwd=REPO,
+            env=os.environ | cluster_env() | ray_cluster.serve_ports,  # as `make serve` runs it
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        wait_until_healthy(running.url, proc, running)
-        yield running
+        wait_until_healthy([a.url for a in apps], proc, log_path)
+        yield apps
     finally:
         stop(proc)
 
 
 @pytest.fixture(scope="session")
-def cluster(app, ray_cluster):
-    """This process joined to the app's Ray cluster; yields the cluster's dashboard URL."""
+def app(serving) -> RunningApp:
+    """The CPU app: deploy/config.cpu.yaml, the real vLLM engine on the tiny GLM-4 model."""
+    return serving[0]
+
+
+@pytest.fixture(scope="session")
+def sim_app(serving) -> RunningApp:
+    """The bed: deploy/config.sim.yaml's application on the simulated engine, under /sim."""
+    return serving[1]
+
+
+@pytest.fixture(scope="session")
+def cluster(serving, ray_cluster):
+    """This process joined to the apps' Ray cluster; yields the cluster's dashboard URL."""
     import ray
 
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
@@ -177,37 +190,41 @@ def cluster(app, ray_cluster):
 
 @pytest.fixture(scope="session")
 def metrics_url(cluster) -> str:
-    """Ray's Prometheus endpoint on the app's (one-node) cluster."""
+    """Ray's Prometheus endpoint on the apps' (one-node) cluster."""
     import ray
 
-    [node] = [n for n in ray.nodes() if n["Alive"]]
+    [node] = [n for n in ray.nodes() if n["Alive"]]  # the head (extra nodes join later, in one test)
     return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 @pytest.fixture(scope="session")
-def model_deployment(app, cluster):
-    """A Ray Serve handle to the model deployment.
-
-    Tests use it to read the engine's in-flight request count (``in_flight``), the
-    same way an operator would, instead of guessing from timings.
-    """
-    from ray import serve
-
-    config = yaml.safe_load(CONFIG.read_text())["applications"][0]
-    model = config["args"]["models"][0]["name"]
-    handle = serve.get_deployment_handle(f"model-{model}", app_name=config["name"])
-    yield handle
-    handle.shutdown()  # stop its router's background tasks before leaving the cluster
+def model_deployment(app, cluster) -> DeploymentName:
+    """The CPU app's model deployment (tests read its engines' in-flight count replica by replica)."""
+    return DeploymentName(app.name, app.model_deployment)
 
 
 @pytest.fixture
-async def one_replica(model_deployment):
-    """The model deployment's handle, once the deployment is at exactly one running replica.
-
-    Earlier tests may have scaled it out. A handle call reaches one replica, so a
-    count read through it is the whole deployment's only when there is one.
-    """
-    from tests.e2e.serve_state import single_replica
-
+async def one_replica(model_deployment) -> DeploymentName:
+    """The CPU app's model deployment, once it is at exactly one running replica with a live engine."""
     await single_replica(model_deployment)
     return model_deployment
+
+
+@dataclass(frozen=True)
+class Bed:
+    """The bed for one test: its app, its model deployment and that deployment's simulated engines."""
+
+    app: RunningApp
+    model: DeploymentName
+    engines: SimulatedEngines
+
+
+@pytest.fixture
+async def bed(sim_app, cluster) -> Bed:
+    """The bed as every test finds it: one model replica, running at the timing model's pace, holding nothing."""
+    model = DeploymentName(sim_app.name, sim_app.model_deployment)
+    engines = SimulatedEngines(model)
+    await single_replica(model)
+    await engines.reset()
+    await engines.wait_until_idle()
+    return Bed(sim_app, model, engines)

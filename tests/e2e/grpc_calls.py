@@ -1,4 +1,5 @@
-"""Reading a gRPC stream whole, as the gRPC tests do: its responses, status and trailing metadata."""
+"""gRPC calls as the tests make them: a channel to one application, a stream read whole (its
+responses, status and trailing metadata)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,45 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+
+def _with_application(details: Any, name: str) -> Any:
+    """The call's details with ``application: <name>`` added to its metadata: with several
+    applications on a cluster, Serve's gRPC proxy routes by it (a one-application cluster needs none)."""
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), ("application", name)))
+
+
+class _UnaryToApplication(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_application(details, self.name), request)
+
+
+class _StreamToApplication(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_application(details, self.name), request)
+
+
+class _StreamsToApplication(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with_application(details, self.name), requests)
+
+
+def channel(app: Any) -> grpc.aio.Channel:
+    """A channel to Serve's gRPC proxy whose every call goes to ``app`` (a :class:`RunningApp`).
+
+    (grpc.aio files an interceptor under its first kind only: one each.)
+    """
+    kinds = (_UnaryToApplication, _StreamToApplication, _StreamsToApplication)
+    return grpc.aio.insecure_channel(app.grpc_target, interceptors=[kind(app.name) for kind in kinds])
 
 
 @dataclass

@@ -1,15 +1,14 @@
 """A real Prometheus server scraping the app's cluster, for the dashboard and alert tests.
 
-The binary is Debian's ``prometheus`` package (``.ci/install-prometheus`` installs
-it; ``promtool`` ships with it). It scrapes Ray's metrics endpoint every second
-and evaluates the rule files it is given every second.
+The binary is Debian's ``prometheus`` package (``tools/install-prometheus``, which ``make
+test`` runs, installs it; ``promtool`` ships with it). It scrapes Ray's metrics endpoint
+every second and evaluates the rule files it is given every second.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 import yaml
 
 from tests.e2e.ray_cluster import free_port
+from tests.waiting import wait_until_blocking
 
 SCRAPE_INTERVAL_S = 1
 
@@ -27,7 +27,7 @@ SCRAPE_INTERVAL_S = 1
 def prometheus_binary(name: str = "prometheus") -> str:
     path = shutil.which(name)
     if path is None:
-        raise RuntimeError(f"{name} is not installed: run .ci/install-prometheus (Debian's prometheus package)")
+        raise RuntimeError(f"{name} is not installed: run tools/install-prometheus (Debian's prometheus package)")
     return path
 
 
@@ -69,18 +69,15 @@ class Prometheus:
         return server
 
     def wait_ready(self, within_s: float) -> None:
-        deadline = time.monotonic() + within_s
-        while True:
+        def ready() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.process.returncode}")
             try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
+                return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"prometheus not ready within {within_s} s")
-            time.sleep(0.2)
+                return False
+
+        wait_until_blocking(ready, within_s, "prometheus ready")
 
     def api(self, path: str, **params: Any) -> Any:
         response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)

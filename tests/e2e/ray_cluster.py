@@ -18,9 +18,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.waiting import wait_until_blocking
+from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 120
 
@@ -52,6 +54,19 @@ class RayCluster:
     dashboard_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     agent_port: int = field(default_factory=free_port)  # the dashboard agent's HTTP port (KubeRay probes it)
+    # Serve's HAProxy mode takes fixed ports of its own (its metrics, its stats, the Python
+    # proxy it falls back on): free ones, so that a `make serve` beside the suite still starts.
+    serve_ports: dict[str, str] = field(
+        default_factory=lambda: {
+            name: str(free_port())
+            for name in (
+                "RAY_SERVE_HAPROXY_METRICS_PORT",
+                "RAY_SERVE_HAPROXY_STATS_PORT",
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+                "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+            )
+        }
+    )
     process: subprocess.Popen | None = None
 
     @property
@@ -104,18 +119,22 @@ class RayCluster:
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
             ],
-            env=os.environ | self.env,
+            # Serve's cluster settings, as `make serve` starts Ray, on this cluster's own ports.
+            env=os.environ | cluster_env() | self.serve_ports | self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         # `ray start` writes the cluster's address there once the head is up.
         ready = self.root / "ray" / "ray_current_cluster"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        process = self.process
+
+        def up() -> bool:
+            if process.poll() is not None:
                 raise RuntimeError(f"ray start failed:\n{(self.root / 'ray-start.log').read_text()[-3000:]}")
-            time.sleep(0.2)  # poll interval of the condition above
+            return ready.exists()
+
+        wait_until_blocking(up, START_TIMEOUT_S, "the suite's Ray head up", every_s=0.2)
 
     def stop(self) -> None:
         """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files."""
@@ -171,19 +190,22 @@ class RayNode:
                 "--dashboard-agent-listen-port",
                 str(free_port()),
             ],
-            env=os.environ | self.cluster.env,
+            env=os.environ | cluster_env() | self.cluster.serve_ports | self.cluster.env,  # as on the head
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
+        process = self.process
+
+        def joined() -> str | None:
+            if process.poll() is not None:
+                raise RuntimeError(f"ray start failed:\n{Path(log.name).read_text()[-3000:]}")
             for node in ray.nodes():
                 if node["Alive"] and self.resources.items() <= node["Resources"].items():
                     return node["NodeID"]
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed:\n{Path(log.name).read_text()[-3000:]}")
-            time.sleep(0.2)  # poll interval of the condition above
+            return None
+
+        return wait_until_blocking(joined, START_TIMEOUT_S, f"node {self.name} joined", every_s=0.2)
 
     def stop(self) -> None:
         """Stop this node (its raylet and workers), nothing else."""

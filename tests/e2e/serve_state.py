@@ -1,21 +1,19 @@
-"""Reading Serve's view of the app from a test process joined to its cluster.
+"""Reading and driving Serve's view of an app from a test process joined to its cluster.
 
-The app autoscales, so a test that reads one replica's engine (through a Serve
-handle, which reaches one replica per call) first waits until the deployment is
-back to a single running replica; ``single_replica`` is that wait.
+Replicas are reached one by one, by their Ray actors (:func:`call_replica`): a call
+through a deployment handle lets Serve's router pick the replica and waits while every
+replica is full, which is exactly when a load test needs to read one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
+import pickle
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +21,21 @@ import psutil
 from ray import serve
 from ray.util.state import list_actors
 
-# Longest a scaled-out deployment takes to settle at one replica again: a starting
-# engine finishes loading (about a minute on 2 cores), the 60 s downscale delay,
-# then the extra replica drains.
+from tests.waiting import wait_until
+
+# Longest a deployment takes to settle at one replica again: a starting CPU engine
+# finishes loading (about a minute on 2 cores), the downscale delay, then the drain.
 SETTLE_S = 300
 
 
 class DeploymentName:
-    """Names a deployment for the helpers here, as a handle would (``app_name``, ``deployment_name``)."""
+    """Names a deployment for the helpers here (``app_name``, ``deployment_name``)."""
 
     def __init__(self, app_name: str, deployment_name: str) -> None:
         self.app_name, self.deployment_name = app_name, deployment_name
+
+    def __repr__(self) -> str:
+        return f"{self.app_name}/{self.deployment_name}"
 
 
 async def serve_deploy(config: Path, dashboard_url: str) -> None:
@@ -52,104 +54,114 @@ async def serve_deploy(config: Path, dashboard_url: str) -> None:
     assert deploy.returncode == 0, output.decode()
 
 
-async def deployment_status(handle: Any) -> Any:
-    """The deployment's status overview, or None while its application is being (re)built.
-
-    ``handle`` is anything with ``app_name`` and ``deployment_name``, such as a Serve handle.
-    """
+async def deployment_status(deployment: DeploymentName) -> Any:
+    """The deployment's status overview, or None while its application is being (re)built."""
     status = await asyncio.to_thread(serve.status)
-    application = status.applications.get(handle.app_name)
-    return application.deployments.get(handle.deployment_name) if application else None
+    application = status.applications.get(deployment.app_name)
+    return application.deployments.get(deployment.deployment_name) if application else None
 
 
-async def replica_states(handle: Any) -> dict[str, int]:
-    deployment = await deployment_status(handle)
-    return dict(deployment.replica_states) if deployment else {}
+async def replica_states(deployment: DeploymentName) -> dict[str, int]:
+    status = await deployment_status(deployment)
+    return dict(status.replica_states) if status else {}
 
 
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Poll ``condition`` until it holds; return the seconds it took."""
-    start = time.monotonic()
-    while not await condition():
-        assert time.monotonic() - start < timeout_s, f"not {what} after {timeout_s:.0f} s"
-        await asyncio.sleep(0.5)  # poll interval of the condition above
-    return time.monotonic() - start
-
-
-async def running(handle: Any, count: int) -> bool:
+async def running(deployment: DeploymentName, count: int) -> bool:
     """At least ``count`` replicas are running (others may be starting or stopping)."""
-    return (await replica_states(handle)).get("RUNNING", 0) >= count
+    return (await replica_states(deployment)).get("RUNNING", 0) >= count
 
 
-async def only_one_running(handle: Any) -> bool:
+async def only_one_running(deployment: DeploymentName) -> bool:
     """Exactly one replica, running, and the deployment healthy: nothing starting or draining."""
-    deployment = await deployment_status(handle)
-    return (
-        deployment is not None and deployment.status == "HEALTHY" and dict(deployment.replica_states) == {"RUNNING": 1}
-    )
+    status = await deployment_status(deployment)
+    return status is not None and status.status == "HEALTHY" and dict(status.replica_states) == {"RUNNING": 1}
 
 
-async def serving_alone(handle: Any) -> bool:
-    """One running replica whose engine is alive (Serve marks a dead one only after 3 failed checks)."""
-    if not await only_one_running(handle):
+async def serving_alone(deployment: DeploymentName) -> bool:
+    """One running replica whose engine answers (Serve marks a dead one only after failed checks)."""
+    if not await only_one_running(deployment):
+        return False
+    replicas = await live_replicas(deployment)
+    if len(replicas) != 1:  # (one still stopping is alive to Ray)
         return False
     try:
-        await asyncio.wait_for(handle.ping.remote(), timeout=10)
+        await call_replica(next(iter(replicas)), "ping", timeout_s=10)
     except Exception:
         return False
     return True
 
 
-async def single_replica(handle: Any) -> float:
-    """Wait until the deployment is at one running replica with a live engine; return the seconds it took."""
-    return await wait_until(lambda: serving_alone(handle), timeout_s=SETTLE_S, what="at one running, live replica")
+async def single_replica(deployment: DeploymentName, within_s: float = SETTLE_S) -> str:
+    """Wait until the deployment is at one running replica with a live engine; return its actor id."""
+    await wait_until(lambda: serving_alone(deployment), within_s, f"{deployment} at one running, live replica")
+    (replica,) = await live_replicas(deployment)
+    return replica
 
 
-async def a_busy_replica(handle: Any, replicas: set[str], held: int = 8, within_s: float = 120) -> str:
-    """The actor id of one of ``replicas`` whose engine holds at least ``held`` requests.
-
-    Serve's router may leave one replica idle for a while (its queue-length probes time
-    out on busy cores); killing an idle engine would prove nothing about held requests.
-    """
-    start = time.monotonic()
-    while True:
-        replica, holds = await handle.engine_load.remote()
-        if replica in replicas and holds >= held:
-            return replica
-        assert time.monotonic() - start < within_s, f"no replica seen holding {held} requests in {within_s:.0f} s"
-        await asyncio.sleep(0.2)  # poll interval of the condition above
-
-
-def ongoing_at(actor_id: str) -> int:
-    """Requests one replica is answering, asked of its Ray actor directly.
-
-    This is Serve's own queue-length probe (``get_num_ongoing_requests``, what its
-    routers ask each replica): unlike a call through a handle, it cannot be routed
-    to another replica. Blocking: call it through ``asyncio.to_thread``.
-    """
-    import ray
-
-    (actor,) = list_actors(filters=[("actor_id", "=", actor_id)])
-    replica = ray.get_actor(actor.name, namespace=actor.ray_namespace)
-    return ray.get(replica.get_num_ongoing_requests.remote(), timeout=30)
-
-
-def live_replicas(handle: Any) -> dict[str, str]:
-    """The deployment's live replica actors: actor id -> node id.
-
-    Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
-    """
-    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
-    actors = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
+async def live_replicas(deployment: DeploymentName) -> dict[str, str]:
+    """The deployment's live replica actors: actor id -> node id."""
+    replica_class = f"ServeReplica:{deployment.app_name}:{deployment.deployment_name}"
+    actors = await asyncio.to_thread(list_actors, filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
     return {actor.actor_id: actor.node_id for actor in actors}
 
 
-def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
-    """The vLLM engine-core processes of each live replica of the deployment, by replica actor id.
+_actors: dict[str, Any] = {}
+
+
+async def replica_actor(actor_id: str) -> Any:
+    """The Ray actor of a Serve replica, by its id."""
+    if actor_id not in _actors:
+        import ray
+
+        (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", actor_id)])
+        _actors[actor_id] = ray.get_actor(actor.name, namespace=actor.ray_namespace)
+    return _actors[actor_id]
+
+
+async def call_replica(actor_id: str, method: str, *args: Any, timeout_s: float = 30, **kwargs: Any) -> Any:
+    """Call a method of the deployment's class on one replica, whatever it holds.
+
+    Serve's replica actor takes each call with its request metadata (which method to
+    run), pickled, as Serve's router sends it: this is the one place the tests build
+    that internal message.
+    """
+    from ray.serve._private.common import RequestMetadata
+
+    request_id = f"test-{uuid.uuid4().hex}"
+    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id, call_method=method)
+    actor = await replica_actor(actor_id)
+    return await asyncio.wait_for(actor.handle_request.remote(pickle.dumps(metadata), *args, **kwargs), timeout_s)
+
+
+async def ongoing_at(actor_id: str) -> int:
+    """Requests one replica is answering: Serve's own count (what its routers ask each replica)."""
+    actor = await replica_actor(actor_id)
+    return await asyncio.wait_for(actor.get_num_ongoing_requests.remote(), 30)
+
+
+async def in_flight(deployment: DeploymentName) -> int:
+    """Requests the deployment's engines hold (running or waiting), over all its live replicas."""
+    counts = [await call_replica(replica, "in_flight") for replica in await live_replicas(deployment)]
+    return sum(counts)
+
+
+async def in_flight_reaches_zero(deployment: DeploymentName, within_s: float = 30) -> float:
+    """Wait until the deployment's engines hold nothing; return how long it took (a figure to print)."""
+    started = asyncio.get_running_loop().time()
+
+    async def empty() -> bool:
+        return await in_flight(deployment) == 0
+
+    await wait_until(empty, within_s, f"{deployment}'s engines empty", every_s=0.02)
+    return asyncio.get_running_loop().time() - started
+
+
+def replica_engines(deployment: DeploymentName) -> dict[str, list[psutil.Process]]:
+    """The vLLM engine-core processes of each live replica (the real engine's), by replica actor id.
 
     Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
     """
-    replica_class = f"ServeReplica:{handle.app_name}:{handle.deployment_name}"
+    replica_class = f"ServeReplica:{deployment.app_name}:{deployment.deployment_name}"
     replicas = list_actors(filters=[("class_name", "=", replica_class), ("state", "=", "ALIVE")])
     return {
         replica.actor_id: [
@@ -161,41 +173,22 @@ def replica_engines(handle: Any) -> dict[str, list[psutil.Process]]:
     }
 
 
-@contextlib.contextmanager
-def stopped(processes: list[psutil.Process]) -> Iterator[None]:
-    """Freeze ``processes`` (SIGSTOP) for the block and continue them (SIGCONT) after, whatever happens.
-
-    A frozen engine core takes requests (its client queues them) and produces nothing,
-    so what it holds cannot finish while a test sets up what it measures.
-    """
-    for process in processes:
-        process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for process in processes:
-            process.send_signal(signal.SIGCONT)
-
-
-def death_reason(actor_id: str) -> str | None:
-    """Why Ray says a (dead) actor died, e.g. ``WORKER_DIED`` or ``RAY_KILL``; None while it lives.
-
-    Blocking (it asks Ray's state API): call it through ``asyncio.to_thread``.
-    """
-    (actor,) = list_actors(filters=[("actor_id", "=", actor_id)], detail=True)
+async def death_reason(actor_id: str) -> str | None:
+    """Why Ray says a (dead) actor died, e.g. ``WORKER_DIED`` or ``RAY_KILL``; None while it lives."""
+    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", actor_id)], detail=True)
     if actor.state != "DEAD":
         return None
     return (actor.death_cause or {}).get("actor_died_error_context", {}).get("reason")
 
 
-def request_log_lines(session_dir: str, deployment: str = "Ingress") -> dict[str, dict[str, Any]]:
+def request_log_lines(session_dir: str, app_name: str, deployment: str = "Ingress") -> dict[str, dict[str, Any]]:
     """The ingress's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
 
-    Read from every ingress replica's Serve log in the session's log directory,
-    as an operator would. Blocking: call it through ``asyncio.to_thread``.
+    Read from every ingress replica's Serve log in the session's log directory, as an
+    operator would. Blocking: call it through ``asyncio.to_thread``.
     """
     lines = {}
-    for path in Path(session_dir, "logs", "serve").glob(f"replica_*_{deployment}_*.log"):
+    for path in Path(session_dir, "logs", "serve").glob(f"replica_{app_name}_{deployment}_*.log"):
         for line in path.read_text(errors="replace").splitlines():
             head, sep, payload = line.partition(' -- {"event":"request"')
             if sep:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -144,15 +143,3 @@ def settled(url: str, name: str, within_s: float = 60.0) -> Samples:
             return again
         assert time.monotonic() < deadline, f"{name} still changing after {within_s} s"
         samples = again
-
-
-def wait_until(condition: Callable[[], Any], within_s: float, what: str) -> Any:
-    """Poll ``condition`` until it returns something true; fail naming ``what`` after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s} s: {what}")
-        time.sleep(0.5)  # poll interval: Ray's metrics agent publishes every few seconds

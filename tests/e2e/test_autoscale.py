@@ -1,80 +1,77 @@
-"""Queue-length autoscaling on the real app: out to 2 replicas under load, back to 1 after.
+"""Queue-length autoscaling on the bed, as deploy/config.sim.yaml ships it: out under load, back after.
 
-While two replicas run under load, one engine is killed. Every answer it was
-generating or holding gets one explicit error (``engine_failed``) and is never
-sent to the other replica: the request may be what killed the engine. Every
-other request, and every request sent right after, reaches its client complete
-(the dead replica refuses what it had not admitted as retryable, and leaves
-routing within seconds). Exactly one replica dies. This rides on the scale-out
-because two running replicas are what it needs, and a second engine costs
-minutes of CPU here.
+While several replicas run under load, one engine fails. Every answer it was generating or
+holding gets one explicit error (``engine_failed``) and is never sent to another replica: the
+request may be what killed the engine. Every other request, and every request sent right
+after, reaches its client complete (the dead replica refuses what it had not admitted as
+retryable, and leaves routing within seconds). Exactly one replica dies.
 
-It changes the replica count, so it runs with the other tests that disturb the
-app, and it leaves the app as it found it: one idle replica.
+The bed runs one replica; this test deploys the bed with the shipped autoscaling_config (from
+1 replica, and with a 10 s downscale delay in place of 60 s, so that it comes back within the
+test), then the bed as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import uuid
 
 import httpx
-import pytest
+import ray
 import yaml
 
+from serve_app.simulated_engine.controls import Control
+from tests.e2e.apps import application, bed_autoscaling
+from tests.e2e.bodies import chat
 from tests.e2e.serve_state import (
     death_reason,
+    live_replicas,
     ongoing_at,
-    replica_engines,
     request_log_lines,
     running,
+    serve_deploy,
     single_replica,
-    wait_until,
 )
+from tests.waiting import wait_until
 
-pytestmark = pytest.mark.disruptive
-
-# Users that each send one answer after another: twice as many as one replica
-# runs at once (max_ongoing_requests 64), so the other half wait at the ingress's
-# handle and Serve counts about 128 ongoing requests, four times the target (32).
-# Unary answers of 128 tokens keep the users' own work small; those that queue
-# have the whole 60 s request limit.
+# Users that each send one answer after another: twice as many as one replica runs at once
+# (max_ongoing_requests 64), so Serve counts about 128 ongoing requests, well past the target
+# (48 per replica).
 CLIENTS = 128
-AFTER_DEATH = 32  # extra requests sent right after one of the two engines died
-HELD_AT_DEATH = 4  # requests the dying engine's replica holds, at least, when it is killed
+TOKENS = 128
+HELD_AT_DEATH = 8  # the failing replica holds at least this many requests when its engine fails
+AFTER_DEATH = 32
 
 
 def user_client(url: str) -> httpx.AsyncClient:
-    """One simulated user: its own client with one connection, sending one request at a time.
+    """One user's client: one connection, kept alive.
 
-    Not one client shared by all: httpx's connection pool scans every connection on
-    each request and each response, so a pool of 128 busy connections spent this
-    test process's CPU on itself (about 3 answers a second) and kept only a few
-    requests at the server, which Serve rightly read as no load.
-    keepalive_expiry=None: httpcore 1.0.9 can close a connection that expired while
-    idle after handing it to the next request (encode/httpcore#1110); the client
-    then never closes a connection itself, and Serve's 75 s keep-alive never lapses
-    here, as each connection carries one request after another.
+    With a pool, httpx could reuse a keep-alive connection that expired while idle after
+    handing it to the next request (encode/httpcore#1110); one connection carrying one
+    request after another never idles.
     """
     limits = httpx.Limits(max_connections=1, keepalive_expiry=None)
     return httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
 
 
-def chat(model: str, tokens: int, **extra) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "Go on."}],
-        "max_tokens": tokens,
-        "min_tokens": tokens,
-    } | extra
+async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(bed, cluster, tmp_path):
+    app = bed.app
+    config = yaml.safe_load(app.config_path.read_text())
+    scaling = bed_autoscaling() | {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10}
+    deployment = application(config, app.name)["args"]["models"][0]["deployment"]
+    del deployment["num_replicas"]
+    deployment["autoscaling_config"] = scaling
+    autoscaled = tmp_path / "bed-autoscaled.yaml"
+    autoscaled.write_text(yaml.safe_dump(config, sort_keys=False))
+    await serve_deploy(autoscaled, cluster)
+    try:
+        await scale_out_fail_one_and_scale_back(bed, scaling)
+    finally:
+        await serve_deploy(app.config_path, cluster)  # the bed as it was: one replica
 
 
-async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(app, one_replica):
-    import ray
-
-    config = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]["deployment"]
-    assert config["max_ongoing_requests"] == 64 and config["autoscaling_config"]["target_ongoing_requests"] == 32
+async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
+    app = bed.app
     stop = asyncio.Event()
     answered: list[str] = []  # request ids answered in full
     engine_failed: list[str] = []  # request ids whose engine died under them
@@ -84,69 +81,72 @@ async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back
             while not stop.is_set():
                 request_id = uuid.uuid4().hex
                 response = await client.post(
-                    "/v1/chat/completions", json=chat(app.model, 128), headers={"X-Request-Id": request_id}
+                    "/v1/chat/completions", json=chat(app.model, TOKENS), headers={"X-Request-Id": request_id}
                 )
                 if response.status_code == 500 and response.json()["error"]["code"] == "engine_failed":
                     engine_failed.append(request_id)
                     continue
                 assert response.status_code == 200, response.text
-                assert response.json()["usage"]["completion_tokens"] == 128
+                assert response.json()["usage"]["completion_tokens"] == TOKENS
                 answered.append(request_id)
 
     async def send_once(tokens: int) -> httpx.Response:
         async with user_client(app.url) as client:
             return await client.post("/v1/chat/completions", json=chat(app.model, tokens))
 
-    (first_replica,) = await asyncio.to_thread(replica_engines, one_replica)  # busy from the start
     workers = [asyncio.create_task(keep_busy()) for _ in range(CLIENTS)]
     try:
-        # A second engine loads in 1-4 min on 2 cores busy with the load itself.
-        out = await wait_until(lambda: running(one_replica, 2), timeout_s=480, what="scaled out to 2 running replicas")
-        print(f"scaled out in {out:.0f} s under {CLIENTS} clients ({len(answered)} answers)")
-        # Under the same load, the engine of the busier replica dies while it holds requests.
-        # It is frozen first, so that what its replica holds cannot finish before the kill
-        # (a replica seen busy through a handle had drained by the time of the kill in CI).
-        engines = await asyncio.to_thread(replica_engines, one_replica)
-        assert len(engines) == 2 and all(engines.values()) and first_replica in engines, engines
-        ongoing = {replica: await asyncio.to_thread(ongoing_at, replica) for replica in engines}
+        await wait_until(lambda: running(bed.model, 2), 180, "scaled out to 2 running replicas")
+        replicas = await live_replicas(bed.model)
+        print(f"scaled out to {len(replicas)} replicas under {CLIENTS} clients ({len(answered)} answers)")
+        # Under the same load, the engine of the busiest replica fails while it holds requests:
+        # paused first, so what it holds cannot finish before it fails.
+        ongoing = {replica: await ongoing_at(replica) for replica in replicas}
         victim = max(ongoing, key=ongoing.__getitem__)
-        victim_engine = engines[victim]
-        (survivor,) = set(engines) - {victim}
-        for process in victim_engine:
-            process.send_signal(signal.SIGSTOP)
+        survivors = set(replicas) - {victim}
+        await bed.engines.control(victim, Control.PAUSE)
 
         async def holds_requests() -> bool:
-            return await asyncio.to_thread(ongoing_at, victim) >= HELD_AT_DEATH
+            return (await bed.engines.control(victim, Control.STATE)).holds >= HELD_AT_DEATH
 
-        # Within the replica's engine_stall_timeout_s (20 s), after which it would fail them itself.
-        await wait_until(holds_requests, timeout_s=15, what=f"the frozen engine's replica holding {HELD_AT_DEATH}")
-        for process in victim_engine:
-            process.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(lambda: [p.wait(timeout=30) for p in victim_engine])
+        await wait_until(holds_requests, 30, f"the paused engine holding {HELD_AT_DEATH}")
+        await bed.engines.control(victim, Control.FAIL)
         responses = await asyncio.gather(*(send_once(8) for _ in range(AFTER_DEATH)))
+
+        async def victim_left() -> bool:
+            return await death_reason(victim) == "WORKER_DIED"
+
+        # Exactly one replica died, by its own exit after its engine's death (read under the load,
+        # which keeps the others: once it stops, Serve may stop one, which is no death).
+        await wait_until(victim_left, 60, "the failed engine's replica gone by its own exit")
+        assert [await death_reason(survivor) for survivor in survivors] == [None] * len(survivors)
     finally:
         stop.set()
         await asyncio.gather(*workers)  # every other answer, before and after the engine died, was complete
     statuses = [r.status_code for r in responses]
     assert statuses == [200] * AFTER_DEATH, [r.text for r in responses if r.status_code != 200][:3]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
-    # Exactly one replica died, by its own exit after its engine's death.
-    assert await asyncio.to_thread(death_reason, victim) == "WORKER_DIED"
-    assert await asyncio.to_thread(death_reason, survivor) is None
     # The answers the dead engine held were answered once each, never sent to another replica:
     # the ingress's request log (by X-Request-Id) shows one attempt for each.
+    assert len(engine_failed) >= HELD_AT_DEATH, engine_failed
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
-    logged = await asyncio.to_thread(request_log_lines, session_dir)
-    # Without an engine_failed answer, either the engine held nothing when it was killed,
-    # or its requests were sent again after the replica's exit (a second attempt): say which.
-    sent_again = [i for i in answered if i in logged and logged[i]["attempts"] > 1]
-    assert engine_failed, f"the killed engine held no request; {len(sent_again)} answers took a second attempt"
-    assert all(i in logged for i in answered[-100:])  # the log names the requests it served
+
+    async def all_logged() -> dict | None:  # (Serve writes a request's line as it ends)
+        logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
+        return logged if all(i in logged for i in engine_failed + answered[-100:]) else None
+
+    logged = await wait_until(all_logged, 30, "the requests in the ingress's log")
     for request_id in engine_failed:
         line = logged[request_id]
         assert (line["status"], line["error"], line["attempts"]) == (500, "engine_failed", 1), line
-    back = await single_replica(one_replica)
+    back = await timed_single_replica(bed)
     print(
-        f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that died got one error each "
-        f"and never reached the other replica; back to 1 replica in {back:.0f} s"
+        f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that failed got one error each "
+        f"and never reached another replica; back to {scaling['min_replicas']} replica in {back:.0f} s"
     )
+
+
+async def timed_single_replica(bed) -> float:
+    started = asyncio.get_running_loop().time()
+    await single_replica(bed.model, within_s=120)
+    return asyncio.get_running_loop().time() - started

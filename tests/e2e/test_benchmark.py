@@ -43,7 +43,8 @@ async def test_benchmark_measures_the_app(app, tmp_path):
 
 async def test_benchmark_measures_the_grpc_api_on_the_same_load(app):
     """``--protocol grpc``: the same workload through the gRPC API; every call streams its exact count."""
-    argv = ["--protocol", "grpc", "--grpc-target", app.grpc_target, "--model", app.model, "--endpoint", "chat"]
+    argv = ["--protocol", "grpc", "--grpc-target", app.grpc_target, "--grpc-application", app.name]
+    argv += ["--model", app.model, "--endpoint", "chat"]
     argv += ["--concurrency", "4", "--requests", "8", "--input-tokens", "16", "--output-tokens", "8", "--warmup", "1"]
     result = await asyncio.to_thread(main, argv)
     (level,) = result["levels"]

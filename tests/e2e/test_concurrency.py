@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import Samples, scrape, settled, total, wait_until
+from tests.e2e.telemetry import Samples, scrape, settled, total
+from tests.waiting import wait_until
 
 CONCURRENCY = 64
 MAX_TOKENS = 32
@@ -69,20 +70,20 @@ async def test_concurrent_streams_each_deliver_every_token(app, client, metrics_
         assert finish == ["length"]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
-    served_together(metrics_url, before, prompt_tokens=streams[0].chunks[-1]["usage"]["prompt_tokens"])
+    await served_together(metrics_url, before, prompt_tokens=streams[0].chunks[-1]["usage"]["prompt_tokens"])
 
 
-def served_together(metrics_url: str, before: Samples, prompt_tokens: int) -> None:
+async def served_together(metrics_url: str, before: Samples, prompt_tokens: int) -> None:
     """The engine made a step of more tokens than one request's prompt plus one since ``before``.
 
     Only several requests sharing a step make one: a server running one request at a
     time never does.
     """
     assert prompt_tokens + 1 <= SHARED_STEP_TOKENS, prompt_tokens  # (else a lone request's step would count)
-    wait_until(
+    await wait_until(
         lambda: steps_over(scrape(metrics_url), SHARED_STEP_TOKENS) > steps_over(before, SHARED_STEP_TOKENS),
-        within_s=60,
-        what=f"an engine step of more than {SHARED_STEP_TOKENS} tokens",
+        60,
+        f"an engine step of more than {SHARED_STEP_TOKENS} tokens",
     )
 
 
@@ -106,4 +107,4 @@ async def test_concurrent_unary_requests_each_complete(app, client, metrics_url)
         assert len(choice["logprobs"]["content"]) == MAX_TOKENS
         assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
-    served_together(metrics_url, before, prompt_tokens=responses[0].json()["usage"]["prompt_tokens"])
+    await served_together(metrics_url, before, prompt_tokens=responses[0].json()["usage"]["prompt_tokens"])

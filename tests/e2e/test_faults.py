@@ -1,5 +1,12 @@
-"""An engine that dies, or hangs, mid-answer: its streams end with an error event, and the
-deployment replaces the replica. Runs with the other tests that disturb the app."""
+"""An engine that dies, or hangs, mid-answer: its streams end with an error, and a new replica serves.
+
+On the bed, the simulated engine is made to fail (vLLM's own engine-dead error path, which a
+dead engine-core process takes) or to hang, at the moment the test chooses: streams under way
+(their first tokens read, the engine at a fifth of its pace) and requests still waiting for
+their first token (the engine paused). One canary on the CPU app kills the real engine's
+process, the event the simulated failure stands for; it replaces the CPU app's replica, so it
+runs last.
+"""
 
 from __future__ import annotations
 
@@ -12,32 +19,22 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
-import psutil
 import pytest
-import yaml
+import ray
 
-from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
-from tests.e2e.grpc_calls import Call, call, ends_once
-from tests.e2e.serve_state import a_busy_replica, death_reason, replica_engines
-from tests.e2e.serve_state import wait_until as serve_wait_until
-from tests.e2e.telemetry import scrape, total, wait_until
-
-pytestmark = [pytest.mark.disruptive, pytest.mark.timeout(600)]
+from serve_app.simulated_engine.controls import Control
+from tests.e2e.apps import BED_STALL_TIMEOUT_S, RunningApp
+from tests.e2e.bodies import LONG, chat, grpc_chat
+from tests.e2e.grpc_calls import Call, channel, ends_once
+from tests.e2e.serve_state import death_reason, replica_engines, request_log_lines
+from tests.e2e.telemetry import scrape, total
+from tests.waiting import wait_until
 
 STREAMS = 8
-GRPC_STREAMS = 4  # beside the HTTP streams in the engine-death test
-
-
-def long_story(model: str) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 900,
-        "min_tokens": 900,
-        "stream": True,
-    }
+GRPC_STREAMS = 4
+WAITING = 2  # sent once the engine is paused: in the engine, before their first token
 
 
 @dataclass
@@ -56,158 +53,175 @@ class Stream:
         return json.loads(self.events[-1]).get("error") if self.events and not self.complete else None
 
 
-async def streams_through(app, hit: Callable[[], Awaitable[None]]) -> list[Stream]:
-    """Start STREAMS long streams; call ``hit`` once the first is under way; each stream as it ended."""
-    first_chunk = asyncio.Event()
+async def stream(client: httpx.AsyncClient, app: RunningApp, started: asyncio.Event | None = None) -> Stream:
+    """One long stream, read whole; ``started`` is set once its first chunk is in."""
+    events: list[str] = []
+    body = chat(app.model, LONG, stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None:
+                    started.set()
+            elif response.status_code != 200 and line:
+                events.append(line)
+    return Stream(response.status_code, response.headers, events, time.monotonic())
+
+
+async def grpc_stream(app: RunningApp, started: asyncio.Event) -> Call:
+    async with channel(app) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
+        rpc = stub.ChatCompletion(grpc_chat(app.model, LONG))
+
+        responses = []
+        started_at = time.monotonic()
+        try:
+            async for response in rpc:
+                responses.append(response)
+                if not response.final:  # the engine's first output came (its text may still be empty)
+                    started.set()
+        except grpc.aio.AioRpcError:
+            pass
+        trailing = dict(await rpc.trailing_metadata() or ())
+        return Call(responses, await rpc.code(), await rpc.details(), trailing, time.monotonic() - started_at)
+
+
+async def streams_through(
+    app: RunningApp, engines, act: Callable[[], Awaitable[None]]
+) -> tuple[list[Stream], list[Call], list[Stream]]:
+    """STREAMS HTTP and GRPC_STREAMS gRPC streams under way, then WAITING more held by the paused
+    engine before their first token; then ``act``; each stream as it ended."""
+    started = [asyncio.Event() for _ in range(STREAMS + GRPC_STREAMS)]
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
-
-        async def stream() -> Stream:
-            events: list[str] = []
-            async with client.stream("POST", "/v1/chat/completions", json=long_story(app.model)) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        first_chunk.set()
-                    elif response.status_code != 200 and line:
-                        events.append(line)
-            return Stream(response.status_code, response.headers, events, time.monotonic())
-
-        tasks = [asyncio.create_task(stream()) for _ in range(STREAMS)]
-        # As soon as one stream is under way: on 2 shared cores the others may not have begun yet.
-        await asyncio.wait_for(first_chunk.wait(), timeout=120)
-        await hit()
-        return await asyncio.gather(*tasks)
+        under_way = [asyncio.create_task(stream(client, app, e)) for e in started[:STREAMS]]
+        grpc_calls = [asyncio.create_task(grpc_stream(app, e)) for e in started[STREAMS:]]
+        await wait_until(lambda: all(e.is_set() for e in started), 60, "every stream under way", every_s=0.02)
+        await engines.control_all(Control.PAUSE)
+        waiting = [asyncio.create_task(stream(client, app)) for _ in range(WAITING)]
+        await engines.wait_until_holding(STREAMS + GRPC_STREAMS + WAITING)
+        await act()
+        return await asyncio.gather(*under_way), await asyncio.gather(*grpc_calls), await asyncio.gather(*waiting)
 
 
-async def seconds_until_answers_resume(app) -> float:
+def engine_failures(metrics_url: str, app: RunningApp) -> float:
+    return total(scrape(metrics_url), f"ray_{metrics.ENGINE_FAILURES}_total", application=app.name)
+
+
+async def seconds_until_answers_resume(app: RunningApp) -> float:
     """Poll with short answers until one succeeds; meanwhile only retryable refusals (nothing reached an engine)."""
     start = time.monotonic()
-    body = long_story(app.model) | {"stream": False, "max_tokens": 8, "min_tokens": 8}
-    async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
-        while (response := await client.post("/v1/chat/completions", json=body)).status_code != 200:
+
+    async def answered() -> bool:
+        async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
+            response = await client.post("/v1/chat/completions", json=chat(app.model, 8))
+        if response.status_code != 200:
             assert response.status_code in (503, 504), response.text
             assert response.status_code == 504 or response.headers["retry-after"] == "1"
-            assert time.monotonic() - start < 360, f"no answer {time.monotonic() - start:.0f} s later"
-            await asyncio.sleep(2)  # poll interval of the condition above
+        return response.status_code == 200
+
+    await wait_until(answered, 360, "an answer after the engine's death", every_s=1)
     return time.monotonic() - start
 
 
-async def grpc_story(app) -> Call:
-    request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="A long story.")])
-    request.max_tokens = request.min_tokens = 900
-    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        return await call(pb_grpc.GenerationStub(channel).ChatCompletion, request)
-
-
-def check_grpc_calls(calls: list[Call]) -> int:
-    """gRPC streams beside the HTTP ones: each ends with one final response; one the engine's death cut
-    carries the error, and the call ends INTERNAL. Returns how many ended engine_failed (each an engine failure)."""
-    cut = 0
-    for result in calls:
+def check_cut(streams: list[Stream], grpc_calls: list[Call], waiting: list[Stream]) -> None:
+    """Streams under way (their first chunk sent: the engine's first output for them) end with
+    one engine_failed error event (gRPC: one final response and INTERNAL); those still waiting
+    for their first token get a 500 engine_failed instead."""
+    for s in streams:
+        assert s.status == 200 and s.error is not None, (s.status, s.events[-2:])
+        assert s.error["code"] == "engine_failed", s.events[-2:]
+        assert len(s.events) >= 2 and "error" not in json.loads(s.events[0])  # it had started
+    for result in grpc_calls:
         ends_once(result)
-        final = result.final
-        if result.code == grpc.StatusCode.OK:
-            assert final.usage.completion_tokens == 900 and [c.finish_reason for c in final.choices] == ["length"]
-        elif result.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            assert final.error.code in ("unavailable", "first_token_timeout", "request_timeout"), final.error
-        else:
-            assert (result.code, final.error.code) == (grpc.StatusCode.INTERNAL, "engine_failed"), final.error
-            cut += any(c.content for r in result.responses[:-1] for c in r.choices)
-    assert cut >= 1, f"no gRPC stream was under way when the engine died: {[c.code for c in calls]}"
-    print(f"{cut} of {len(calls)} gRPC streams were cut by the engine's death, each with a final error response")
-    return sum(1 for result in calls if result.final.error.code == "engine_failed")
+        assert (result.code, result.final.error.code) == (grpc.StatusCode.INTERNAL, "engine_failed")
+        assert len(result.responses) >= 2  # it had started
+    for s in waiting:
+        assert s.status == 500 and json.loads(s.events[0])["error"]["code"] == "engine_failed", (s.status, s.events)
 
 
-def engine_failures(metrics_url: str) -> float:
-    return total(scrape(metrics_url), f"ray_{metrics.ENGINE_FAILURES}_total")
+async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_replica_serves(bed, metrics_url):
+    app = bed.app
+    counted_before = await asyncio.to_thread(engine_failures, metrics_url, app)
+    (replica,) = await bed.engines.replicas()
+    await bed.engines.control_all(Control.PACE, 5.0)
 
+    async def fail() -> None:
+        await bed.engines.control(replica, Control.FAIL)
 
-async def test_engine_death_ends_streams_with_an_error_and_the_deployment_recovers(app, one_replica, metrics_url):
-    counted_before = await asyncio.to_thread(engine_failures, metrics_url)
-    # Found first: the lookup is slow.
-    ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
-    assert engines, "no engine process found"
-
-    async def kill() -> None:
-        """Kill the engine once its replica reports holding requests (proof they reached it).
-
-        Frozen first (SIGSTOP): what it holds when its replica says so cannot finish before the kill.
-        """
-        for engine in engines:
-            engine.send_signal(signal.SIGSTOP)
-        assert await a_busy_replica(one_replica, {replica}, held=1, within_s=15) == replica
-        for engine in engines:
-            engine.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(lambda: [engine.wait(timeout=30) for engine in engines])
-
-    calls = [asyncio.create_task(grpc_story(app)) for _ in range(GRPC_STREAMS)]
-    streams = await streams_through(app, kill)
-    calls_failed = check_grpc_calls(await asyncio.gather(*calls))
-
-    # Each stream had finished in full before the kill, or was cut and says so (a final
-    # error event), or was in the engine before its first token and got one explicit error
-    # (engine_failed: never retried), or had not reached the engine and was refused as
-    # retryable (no healthy replica to send it to).
-    cut = 0
-    for stream in streams:
-        if stream.complete:
-            last = json.loads(stream.events[-2])["choices"][0]
-            assert last["finish_reason"] == "length", (
-                f"a stream cut by a dead engine looks complete: {stream.events[-3:]}"
-            )
-        elif stream.status in (503, 504):
-            assert stream.status == 504 or stream.headers["retry-after"] == "1"
-        else:
-            assert stream.error["code"] == "engine_failed", (stream.status, stream.events[-2:])
-            cut += stream.status == 200
-    assert cut >= 1, f"no stream was under way when the engine died: {[(s.status, s.events[-1:]) for s in streams]}"
-    print(f"{cut} of {len(streams)} streams were cut by the engine's death, each with an error event")
-    failed = sum(1 for stream in streams if stream.error and stream.error["code"] == "engine_failed") + calls_failed
-    await asyncio.to_thread(  # each is counted once (Ray exports metrics every few seconds)
-        wait_until,
-        lambda: engine_failures(metrics_url) - counted_before == failed,
+    streams, grpc_calls, waiting = await streams_through(app, bed.engines, fail)
+    check_cut(streams, grpc_calls, waiting)
+    failed = STREAMS + GRPC_STREAMS + WAITING
+    await wait_until(  # each is counted once (Ray exports metrics every few seconds)
+        lambda: engine_failures(metrics_url, app) - counted_before >= failed,
         60,
         f"{failed} engine failures counted in ray_{metrics.ENGINE_FAILURES}_total",
     )
-    print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
+    assert engine_failures(metrics_url, app) - counted_before == failed
+    print(f"{failed} requests held by the failed engine each got one engine_failed error")
+    print(f"answers resumed {await seconds_until_answers_resume(app):.1f} s after the engine died")
     # The replica ended its own process (serve_app.replica.engine_watch): Ray records its worker
     # as died, where a replica Serve stopped after failed health checks is killed (RAY_KILL).
-    assert await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"
+    assert await death_reason(replica) == "WORKER_DIED"
 
 
-async def test_a_hung_engine_is_detected_its_streams_get_errors_and_a_new_replica_serves(app, one_replica):
-    """The engine process is frozen (SIGSTOP) under load: it holds requests and produces nothing.
+async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_replica_serves(bed):
+    """The engine stops producing, with no sign of life, while it holds requests. vLLM's
+    ``errored`` flag stays false; the replica's watchdog notices after ``engine_stall_timeout_s``,
+    gives every request it holds an ``engine_failed`` error (not a time-out), and the replica
+    leaves; a new one serves."""
+    app = bed.app
+    (replica,) = await bed.engines.replicas()
+    await bed.engines.control_all(Control.PACE, 5.0)
+    hung_at: list[float] = []
 
-    vLLM's ``errored`` flag stays false; the replica's watchdog notices after
-    ``engine_stall_timeout_s``, gives every request it holds an ``engine_failed``
-    error (not a request timeout), and the replica leaves; a new one serves.
-    """
-    config = yaml.safe_load(app.config_path.read_text())["applications"][0]["args"]["models"][0]
+    async def hang() -> None:
+        hung_at.append(time.monotonic())
+        await bed.engines.control(replica, Control.HANG)
+
+    streams, grpc_calls, waiting = await streams_through(app, bed.engines, hang)
+    check_cut(streams, grpc_calls, waiting)
+    slowest = max(s.ended_at for s in streams + waiting) - hung_at[0]
+    print(f"every request ended {slowest:.1f} s after the engine hung (engine_stall_timeout_s {BED_STALL_TIMEOUT_S})")
+
+    async def left_by_itself() -> bool:  # after its calls' errors went out
+        return await death_reason(replica) == "WORKER_DIED"
+
+    await wait_until(left_by_itself, 60, "the hung replica's own exit")
+    print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
+
+
+@pytest.mark.disruptive  # the CPU app's replica is replaced (a CPU engine loads for a minute)
+async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_and_is_replaced(app, one_replica):
+    """The canary for the simulated failure: the real engine-core process is killed (SIGKILL)
+    while it generates. Streams it was generating end with an ``engine_failed`` error event,
+    the replica exits by itself, and a new replica answers."""
     ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
-    frozen_at: list[float] = []
-
-    async def freeze() -> None:
-        frozen_at.append(time.monotonic())
+    assert engines, "no engine process found"
+    first_chunk = asyncio.Event()
+    killed_at: list[float] = []
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        streams = [asyncio.create_task(stream(client, app, first_chunk)) for _ in range(STREAMS)]
+        await wait_until(first_chunk.is_set, 120, "a stream under way", every_s=0.01)
+        # That stream has 899 of its 900 tokens to go: the engine is generating it now.
         for engine in engines:
-            engine.send_signal(signal.SIGSTOP)
-
-    try:
-        streams = await streams_through(app, freeze)
-    finally:
-        for engine in engines:  # the replica's exit takes them along; one left frozen is the test's
-            if engine.is_running() and engine.status() == psutil.STATUS_STOPPED:
-                engine.kill()
-    for stream in streams:
-        if not stream.complete:  # (finished before the freeze)
-            assert stream.error is not None and stream.error["code"] == "engine_failed", stream.events[-2:]
-    slowest = max(stream.ended_at for stream in streams) - frozen_at[0]
-    print(
-        f"every stream ended {slowest:.1f} s after the engine froze "
-        f"(engine_stall_timeout_s {config['engine_stall_timeout_s']})"
-    )
-
-    async def left_by_itself() -> bool:  # after its calls' errors went out and its engine was shut down
-        return await asyncio.to_thread(death_reason, replica) == "WORKER_DIED"
-
-    await serve_wait_until(left_by_itself, timeout_s=60, what="the hung replica's own exit")
-    print(f"a new replica answered {await seconds_until_answers_resume(app):.0f} s later")
+            engine.send_signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+        results = await asyncio.gather(*streams)
+    cut = 0
+    for s in results:
+        if s.complete:  # (cannot be: the engine died with 899 tokens to go; said if it happens)
+            raise AssertionError(f"a stream completed though its engine died: {s.events[-3:]}")
+        if s.status in (503, 504):  # refused before reaching the engine: retryable
+            assert s.status == 504 or s.headers["retry-after"] == "1"
+        else:
+            assert s.error is not None and s.error["code"] == "engine_failed", (s.status, s.events[-2:])
+            cut += s.status == 200
+    assert cut >= 1, [(s.status, s.events[-1:]) for s in results]
+    print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
+    print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
+    assert await death_reason(replica) == "WORKER_DIED"
+    # Each request the dead engine held was answered once (never sent to another replica).
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+    logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
+    failed = [line for line in logged.values() if line.get("error") == "engine_failed"]
+    assert failed and all(line["attempts"] == 1 for line in failed), failed

@@ -2,8 +2,10 @@
 
 Every stream ends with exactly one final response; a failed call also ends with
 the matching non-OK status. Errors that need the app disturbed are checked where
-the app is disturbed anyway: a missing key in test_rollout (keys turned on), a
-full queue in test_load's burst, an engine killed mid-stream in test_faults.
+the bed is disturbed anyway: a missing key in test_rollout (keys turned on), a
+full queue in test_load's burst, an engine failing mid-stream in test_faults. A
+cancelled call and an expired deadline are checked on the bed too, whose engine
+holds them as long as the test needs.
 """
 
 from __future__ import annotations
@@ -22,27 +24,23 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.grpc_calls import call, ends_once
-from tests.e2e.streams import LONG, in_flight_reaches_zero
+from serve_app.simulated_engine.controls import Control
+from tests.e2e.bodies import LONG, grpc_chat
+from tests.e2e.grpc_calls import call, channel, ends_once
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
 
 CONCURRENT = 64
 TOKENS = 16
 
 
-def story(model: str, **fields) -> pb.ChatCompletionRequest:
-    message = pb.Message(role="user", content="Tell me a long story.")
-    return pb.ChatCompletionRequest(model=model, messages=[message], **fields)
-
-
 @pytest.fixture
 async def stub(app) -> AsyncIterator[pb_grpc.GenerationStub]:
-    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        yield pb_grpc.GenerationStub(channel)
+    async with channel(app) as grpc_channel:
+        yield pb_grpc.GenerationStub(grpc_channel)
 
 
 async def test_concurrent_streams_each_deliver_their_max_tokens_and_one_final_response(app, stub):
-    request = story(app.model, max_tokens=TOKENS, ignore_eos=True, return_token_ids=True)
+    request = grpc_chat(app.model, max_tokens=TOKENS, ignore_eos=True, return_token_ids=True)
     results = await asyncio.gather(*(call(stub.ChatCompletion, request) for _ in range(CONCURRENT)))
     for result in results:
         assert result.code == grpc.StatusCode.OK, result.details
@@ -68,7 +66,7 @@ async def test_completion_streams_text_and_ends_with_usage(app, stub):
 
 async def test_http_and_grpc_streams_with_the_same_seed_give_the_same_tokens(app, stub):
     fields = {"max_tokens": 24, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
-    result = await call(stub.ChatCompletion, story(app.model, return_token_ids=True, **fields))
+    result = await call(stub.ChatCompletion, grpc_chat(app.model, return_token_ids=True, **fields))
     body = {
         "model": app.model,
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -98,7 +96,7 @@ def tool(definition: dict) -> pb.Tool:
 
 async def test_a_required_tool_call_streams_as_named_pieces_and_ends_with_its_finish_reason(app, stub):
     """GLM-4's tool calls through vLLM's parser, as pieces: the first names the call, the rest add arguments."""
-    request = story(
+    request = grpc_chat(
         app.model,
         tools=[tool(WEATHER_TOOL), tool(TIME_TOOL)],
         tool_choice=pb.ToolChoice(mode="required"),
@@ -120,29 +118,40 @@ async def test_a_required_tool_call_streams_as_named_pieces_and_ends_with_its_fi
     assert [c.finish_reason for c in result.final.choices] == ["tool_calls"]
 
 
-async def test_a_cancelled_call_is_aborted_in_the_engine(app, stub, one_replica):
-    """The engine lets the request go once the client cancels (typically within 0.02-0.05 s here;
-    the bound leaves room for a busy shared machine, which once took 1.15 s), and answers as before."""
-    await in_flight_reaches_zero(one_replica, within_s=30.0)
-    stream = stub.ChatCompletion(story(app.model, **LONG))
-    async for response in stream:
-        if response.choices:
-            break
-    assert await one_replica.in_flight.remote() == 1  # under way in the engine (900 tokens take seconds)
-    stream.cancel()
-    took = await in_flight_reaches_zero(one_replica, within_s=5.0)
-    start = time.monotonic()
-    after = await call(stub.ChatCompletion, story(app.model, max_tokens=32, ignore_eos=True))
+async def test_a_cancelled_call_is_aborted_in_the_engine(bed):
+    """On the bed, at a tenth of the engine's pace (900 tokens take a minute): once the client
+    cancels a call under way, the engine lets its request go (how soon is printed), and answers
+    as before."""
+    app = bed.app
+    await bed.engines.control_all(Control.PACE, 10.0)
+    async with channel(app) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
+        stream = stub.ChatCompletion(grpc_chat(app.model, LONG))
+        async for response in stream:
+            if response.choices:
+                break
+        assert await bed.engines.holds() == 1  # under way in the engine
+        stream.cancel()
+        cancelled = time.monotonic()
+        await bed.engines.wait_until_holding(0, within_s=30)
+        took = time.monotonic() - cancelled
+        await bed.engines.control_all(Control.PACE, 1.0)
+        after = await call(stub.ChatCompletion, grpc_chat(app.model, 32))
     assert after.code == grpc.StatusCode.OK and after.final.usage.completion_tokens == 32
-    print(f"engine empty {took:.3f} s after the cancel; a 32-token call after it took {time.monotonic() - start:.3f} s")
+    print(f"engine empty {took:.3f} s after the cancel")
 
 
-async def test_an_expired_deadline_is_deadline_exceeded_and_leaves_the_engine(app, stub, one_replica):
-    await in_flight_reaches_zero(one_replica, within_s=30.0)
-    result = await call(stub.ChatCompletion, story(app.model, **LONG), timeout=1.0)
-    assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED, (result.code, result.details)
-    took = await in_flight_reaches_zero(one_replica, within_s=5.0)
-    print(f"engine empty {took:.3f} s after the deadline")
+async def test_an_expired_deadline_is_deadline_exceeded_and_leaves_the_engine(bed):
+    """Held by a paused engine, a call's 1 s deadline passes: DEADLINE_EXCEEDED, and the engine lets it go."""
+    app = bed.app
+    async with channel(app) as grpc_channel, bed.engines.paused():
+        result = await call(
+            pb_grpc.GenerationStub(grpc_channel).ChatCompletion, grpc_chat(app.model, LONG), timeout=1.0
+        )
+        assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED, (result.code, result.details)
+        expired = time.monotonic()
+        await bed.engines.wait_until_holding(0, within_s=30)  # still paused: it left, it did not end
+    print(f"engine empty {time.monotonic() - expired:.3f} s after the deadline")
 
 
 @pytest.mark.parametrize(
@@ -157,7 +166,7 @@ async def test_an_expired_deadline_is_deadline_exceeded_and_leaves_the_engine(ap
     ],
 )
 async def test_bad_requests_are_refused_with_the_status_and_the_field(app, stub, fields, code, param):
-    request = story(app.model)
+    request = grpc_chat(app.model)
     for name, value in fields.items():
         request.ClearField(name)
         if isinstance(value, list):
@@ -172,8 +181,8 @@ async def test_bad_requests_are_refused_with_the_status_and_the_field(app, stub,
 
 
 async def test_health_service_and_reflection(app):
-    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
+    async with channel(app) as grpc_channel:
+        health = health_pb2_grpc.HealthStub(grpc_channel)
         for service in ("", "glm4serve.v1.Generation"):
             answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
@@ -181,7 +190,7 @@ async def test_health_service_and_reflection(app):
             await health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
-        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reflection = reflection_pb2_grpc.ServerReflectionStub(grpc_channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         services = set()
         async for answer in reflection.ServerReflectionInfo(iter([request])):

@@ -51,7 +51,9 @@ def test_serve_status_needs_the_token_and_works_with_it(app, ray_cluster):
     assert ray_status.returncode == 0 and "Active:" in ray_status.stdout, ray_status.stderr
 
 
-def test_the_ready_line_names_the_url_and_the_models(app):
+def test_the_ready_line_names_the_url_and_the_models_of_each_app(app, sim_app):
     ready = run([sys.executable, "-m", "tools.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
     assert ready.returncode == 0, ready.stderr
-    assert ready.stdout == f"ready: {app.url}/v1 serves {app.model} (Ctrl-C stops it)\n"
+    assert ready.stdout.splitlines() == [
+        f"ready: {a.url}/v1 serves {a.model} (Ctrl-C stops it)" for a in (app, sim_app)
+    ]

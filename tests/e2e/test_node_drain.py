@@ -1,15 +1,14 @@
 """A GPU worker pod's preStop hook, on real Ray: the node drains and no stream is cut.
 
 Two more Ray nodes join the suite's cluster on this machine, standing in for two GPU
-worker pods. A second application (``drain``, the same app and model, under
-``/drain``) puts one model replica on each: each node has one unit of a custom
-resource that each replica needs. Its 16 streams are admitted while both engines are
-frozen (SIGSTOP; the tiny model would otherwise finish them within a second or two),
-so that a known share of them is held by the replica on node A when the hook
+worker pods. A third application (``drain``: the bed's application, under ``/drain``)
+puts one model replica on each: each node has one unit of a custom resource that each
+replica needs. Its 16 streams are admitted while both (simulated) engines are paused, so
+that a known share of them is held by the replica on node A when the hook
 (``python -m serve_app.node_drain``, as the pod runs it) drains node A. Serve stops
 that replica gracefully. The requests sent after Serve began stopping it are all
 admitted by the other replica (read from each replica's own count while the engines are
-still frozen, so nothing can leave it), then the engines continue: every stream and
+still paused, so nothing can leave it), then the engines resume: every stream and
 every request completes, and the hook returns once no Serve actor is left on node A,
 not at the end of its grace period.
 
@@ -30,24 +29,21 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
+from tests.e2e.apps import application
+from tests.e2e.bodies import LONG, chat
 from tests.e2e.ray_cluster import RayNode
 from tests.e2e.serve_state import (
     DeploymentName,
     live_replicas,
     ongoing_at,
-    replica_engines,
     replica_states,
     running,
     serve_deploy,
-    stopped,
-    wait_until,
 )
-from tests.e2e.streams import LONG, chat
-
-pytestmark = pytest.mark.disruptive
+from tests.e2e.simulation import SimulatedEngines
+from tests.waiting import wait_until
 
 SLOT = "drain_test_slot"  # one per extra node; each model replica of the drain app needs one
 STREAMS = 16
@@ -55,49 +51,47 @@ AFTER_STOP = 8  # unary requests sent once Serve is stopping the drained node's 
 STOP_S = 120  # the drain app's graceful_shutdown_timeout_s (= its ingress.request_timeout_s)
 GRACE_S = STOP_S + 5  # the hook's grace: Serve stops the replica at the deadline minus STOP_S
 MODEL = DeploymentName("drain", "model-glm-4-9b-chat")
-MODEL_NAME = "glm-4-9b-chat"  # what the session app serves, and so the drain app
+MODEL_NAME = "glm-4-9b-chat"  # what the bed serves, and so the drain app
 
 
 def drain_app(base: dict[str, Any]) -> dict[str, Any]:
-    """The session's application under another name and route, its two model replicas placed by SLOT
+    """The bed's application under another name and route, its two model replicas placed by SLOT
     and chosen by load (Serve's default router).
 
-    Engines stay frozen for seconds here, so their stall timeout and the first-token
-    limit are longer than the session app's.
+    Requests stay held for seconds here, so the first-token limit is longer than the bed's.
     """
     app = copy.deepcopy(base)
     app["name"], app["route_prefix"] = "drain", "/drain"
     (model,) = app["args"]["models"]
-    model["engine_stall_timeout_s"] = 100
     # Its 16 identical streams must be shared by both replicas: by prefix they would all go to
     # the one holding their prompt (up to prefix_routing.max_load_gap more than the other).
     model["prefix_routing"] = {"enabled": False}
     deployment = model["deployment"]
-    deployment.pop("autoscaling_config")
     deployment["num_replicas"] = 2
     deployment["ray_actor_options"] = {"num_cpus": 0, "resources": {SLOT: 1}}
     deployment["graceful_shutdown_timeout_s"] = STOP_S
     ingress = app["args"]["ingress"]
     ingress["request_timeout_s"], ingress["first_token_timeout_s"] = STOP_S, 110
-    ingress["deployment"].pop("autoscaling_config")
-    ingress["deployment"]["num_replicas"] = 1
     return app
 
 
 async def stream(client: httpx.AsyncClient) -> tuple[int, list[str]]:
     """One long stream through the drain app: its status and its data lines."""
     events = []
-    async with client.stream("POST", "/drain/v1/chat/completions", json=chat(MODEL_NAME, stream=True, **LONG)) as r:
+    async with client.stream("POST", "/drain/v1/chat/completions", json=chat(MODEL_NAME, LONG, stream=True)) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
     return r.status_code, events
 
 
-async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhere(app, ray_cluster, cluster, tmp_path):
+async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhere(
+    sim_app, ray_cluster, cluster, tmp_path
+):
+    app = sim_app
     config = yaml.safe_load(app.config_path.read_text())
     both = copy.deepcopy(config)
-    both["applications"].append(drain_app(config["applications"][0]))
+    both["applications"].append(drain_app(application(config, app.name)))
     both_path = tmp_path / "with-drain-app.yaml"
     both_path.write_text(yaml.safe_dump(both, sort_keys=False))
     node_a = RayNode(ray_cluster, "a", {SLOT: 1, "drain_test_node_a": 1})
@@ -107,29 +101,25 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         a_id = await asyncio.to_thread(node_a.start)
         await asyncio.to_thread(node_b.start)
         await serve_deploy(both_path, cluster)
-        await wait_until(
-            lambda: running(MODEL, 2), timeout_s=480, what="the drain app's two model replicas running, one per node"
-        )
-        replicas = await asyncio.to_thread(live_replicas, MODEL)
+        await wait_until(lambda: running(MODEL, 2), 120, "the drain app's two model replicas running, one per node")
+        replicas = await live_replicas(MODEL)
         ((victim,),) = [(a,) for a, node in replicas.items() if node == a_id]
         (other,) = set(replicas) - {victim}
-        engines = await asyncio.to_thread(replica_engines, MODEL)
-        frozen = [process for processes in engines.values() for process in processes]
 
         async def holding() -> tuple[int, int]:
-            """Requests each replica is answering (held: their engines are frozen)."""
-            return await asyncio.to_thread(ongoing_at, victim), await asyncio.to_thread(ongoing_at, other)
+            """Requests each replica is answering (held: their engines are paused)."""
+            return await ongoing_at(victim), await ongoing_at(other)
 
         limits = httpx.Limits(max_connections=STREAMS + AFTER_STOP)
-        async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
-            with stopped(frozen):
+        async with httpx.AsyncClient(base_url=app.origin, timeout=300, limits=limits) as client:
+            async with SimulatedEngines(MODEL).paused():
                 streams = [asyncio.create_task(stream(client)) for _ in range(STREAMS)]
 
                 async def all_streams_admitted() -> bool:
                     at_victim, at_other = await holding()
                     return at_victim + at_other == STREAMS and at_victim >= 4
 
-                await wait_until(all_streams_admitted, timeout_s=30, what="the streams held, 4 or more on node A")
+                await wait_until(all_streams_admitted, 30, "the streams held, 4 or more on node A")
                 held, held_elsewhere = await holding()
                 started = time.monotonic()
                 hook = await asyncio.create_subprocess_exec(
@@ -144,8 +134,8 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT,
                 )
-                await wait_until(_stopping, timeout_s=60, what="Serve stopping the drained node's replica")
-                body = chat(app.model, max_tokens=16)
+                await wait_until(_stopping, 60, "Serve stopping the drained node's replica")
+                body = chat(app.model, 16)
                 after = [
                     asyncio.create_task(client.post("/drain/v1/chat/completions", json=body)) for _ in range(AFTER_STOP)
                 ]
@@ -153,13 +143,9 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                 async def all_admitted_elsewhere() -> bool:
                     return await holding() == (held, held_elsewhere + AFTER_STOP)
 
-                # Still frozen, so whatever a replica admits stays in its count: all went to the other.
-                await wait_until(
-                    all_admitted_elsewhere,
-                    timeout_s=30,
-                    what=f"the other replica holding the {AFTER_STOP} new requests",
-                )
-            # The engines continue: the stopping replica finishes what it holds.
+                # Still paused, so whatever a replica admits stays in its count: all went to the other.
+                await wait_until(all_admitted_elsewhere, 30, f"the other replica holding the {AFTER_STOP} new requests")
+            # The engines resume: the stopping replica finishes what it holds.
             results = await asyncio.gather(*streams)
             answers = await asyncio.gather(*after)
         output, _ = await asyncio.wait_for(hook.communicate(), timeout=GRACE_S + 30)
@@ -173,7 +159,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         assert hook.returncode == 0, output.decode()
         # It returned because nothing was left on the node, not because its grace period ran out.
         assert b"no Serve actor left" in output, output.decode()
-        assert (await asyncio.to_thread(live_replicas, MODEL)).get(victim) is None  # it left
+        assert (await live_replicas(MODEL)).get(victim) is None  # it left
         print(
             f"{held} of {STREAMS} streams held by the drained node's replica ({held_elsewhere} by the other); all "
             f"complete; {AFTER_STOP} later requests all went to the other; the hook returned after {took:.0f} s "

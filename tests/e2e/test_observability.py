@@ -12,31 +12,28 @@ import asyncio
 import secrets
 import uuid
 
-import grpc
 import httpx
 import ray
 
-from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
+from tests.e2e.bodies import chat, grpc_chat
+from tests.e2e.grpc_calls import channel
 from tests.e2e.serve_state import request_log_lines
-from tests.e2e.telemetry import scrape, settled, total, wait_until
+from tests.e2e.telemetry import scrape, settled, total
+from tests.waiting import wait_until
 
 TOKENS = 16
 STREAMS = 4
 
 
 def body(model: str, **extra) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "Count to twenty."}],
-        "max_tokens": TOKENS,
-        "min_tokens": TOKENS,
-    } | extra
+    return chat(model, TOKENS, content="Count to twenty.", **extra)
 
 
-def serving(samples, name: str, model: str, **labels: str) -> float:
-    return total(samples, f"ray_{name}", model=model, **labels)
+def serving(samples, name: str, app, **labels: str) -> float:
+    """The app's own series of a serving metric (the bed serves a model of the same name)."""
+    return total(samples, f"ray_{name}", application=app.name, model=app.model, **labels)
 
 
 async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
@@ -49,7 +46,7 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
     prompt_tokens = responses[-1].json()["usage"]["prompt_tokens"]
 
     def grew_by(samples, name: str, **labels: str) -> float:
-        return serving(samples, name, app.model, **labels) - serving(before, name, app.model, **labels)
+        return serving(samples, name, app, **labels) - serving(before, name, app, **labels)
 
     expected = {
         (metrics.TIME_TO_FIRST_TOKEN + "_count", ()): STREAMS,
@@ -69,7 +66,7 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
         engine_grew = engine_tokens(samples) - engine_tokens(before) >= (STREAMS + 1) * TOKENS
         return samples if engine_grew and all(grown[key] >= want for key, want in expected.items()) else None
 
-    samples = wait_until(counted, within_s=60, what=f"serving metrics grow by {expected}, vLLM's tokens too")
+    samples = await wait_until(counted, 60, f"serving metrics grow by {expected}, vLLM's tokens too")
     assert {key: grew_by(samples, key[0], **dict(key[1])) for key in expected} == expected
     for name in (metrics.TIME_TO_FIRST_TOKEN, metrics.TIME_PER_OUTPUT_TOKEN, metrics.E2E_LATENCY):
         assert grew_by(samples, name + "_sum") > 0, name  # the requests took time
@@ -80,9 +77,9 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
         samples = scrape(metrics_url)
         gauges = (metrics.QUEUED, metrics.RUNNING)
         present = all(any(name == f"ray_{gauge}" for name, _ in samples) for gauge in gauges)
-        return present and all(serving(samples, gauge, app.model) == 0 for gauge in gauges)
+        return present and all(serving(samples, gauge, app) == 0 for gauge in gauges)
 
-    wait_until(idle, within_s=60, what="queued and running gauges back at 0")
+    await wait_until(idle, 60, "queued and running gauges back at 0")
     # vLLM's own engine metrics, one series per model replica.
     engine = [labels for name, labels in samples if name == "ray_vllm_generation_tokens_total"]
     assert engine and all(dict(labels).get("ReplicaId") for labels in engine)
@@ -99,7 +96,7 @@ async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(
         names = {span.name: span for span in otlp_collector.trace(trace_id)}
         return names if {"POST /v1/chat/completions", f"chat {app.model}"} <= set(names) else None
 
-    spans = wait_until(both, within_s=30, what=f"ingress and replica spans of trace {trace_id}")
+    spans = await wait_until(both, 30, f"ingress and replica spans of trace {trace_id}")
     ingress, replica = spans["POST /v1/chat/completions"], spans[f"chat {app.model}"]
     assert ingress.parent_span_id == client_span
     assert replica.parent_span_id == ingress.span_id
@@ -117,12 +114,9 @@ async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(ap
     before = settled(metrics_url, f"ray_{metrics.REQUESTS}_total")
     trace_id, client_span, request_id = secrets.token_hex(16), secrets.token_hex(8), uuid.uuid4().hex
     metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"), ("request_id", request_id))
-    request = pb.ChatCompletionRequest(
-        model=app.model, messages=[pb.Message(role="user", content="Count to twenty.")], max_tokens=TOKENS
-    )
-    request.min_tokens = TOKENS
-    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        responses = [r async for r in pb_grpc.GenerationStub(channel).ChatCompletion(request, metadata=metadata)]
+    request = grpc_chat(app.model, TOKENS, content="Count to twenty.")
+    async with channel(app) as grpc_channel:
+        responses = [r async for r in pb_grpc.GenerationStub(grpc_channel).ChatCompletion(request, metadata=metadata)]
     final = responses[-1]
     assert final.final and final.usage.completion_tokens == TOKENS
 
@@ -135,27 +129,27 @@ async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(ap
 
     def grown(samples, name: str, labels: tuple) -> float:
         wanted = dict(labels) | grpc_labels
-        return serving(samples, name, app.model, **wanted) - serving(before, name, app.model, **wanted)
+        return serving(samples, name, app, **wanted) - serving(before, name, app, **wanted)
 
     def counted():
         samples = scrape(metrics_url)
         return samples if all(grown(samples, *key) >= want for key, want in expected.items()) else None
 
-    samples = wait_until(counted, within_s=60, what=f"gRPC metrics grow by {expected}")
+    samples = await wait_until(counted, 60, f"gRPC metrics grow by {expected}")
     assert {key: grown(samples, *key) for key in expected} == expected
 
     def spans():
         names = {span.name: span for span in otlp_collector.trace(trace_id)}
         return names if {"glm4serve.v1.Generation/ChatCompletion", f"chat {app.model}"} <= set(names) else None
 
-    found = wait_until(spans, within_s=30, what=f"ingress and replica spans of trace {trace_id}")
+    found = await wait_until(spans, 30, f"ingress and replica spans of trace {trace_id}")
     ingress, replica = found["glm4serve.v1.Generation/ChatCompletion"], found[f"chat {app.model}"]
     assert ingress.parent_span_id == client_span and replica.parent_span_id == ingress.span_id
     assert ingress.attributes["rpc.grpc.status_code"] == 0 and ingress.attributes["rpc.system"] == "grpc"
 
     session_dir = ray._private.worker._global_node.get_session_dir_path()
-    line = wait_until(
-        lambda: request_log_lines(session_dir).get(request_id), within_s=30, what=f"the log line of {request_id}"
+    line = await wait_until(
+        lambda: request_log_lines(session_dir, app.name).get(request_id), 30, f"the log line of {request_id}"
     )
     assert (line["protocol"], line["status"], line["completion_tokens"]) == ("grpc", 200, TOKENS)
     assert final.id == f"chatcmpl-{line['id']}"

@@ -1,11 +1,12 @@
-"""Prefix-aware routing on the real engine, two model replicas: conversations stay where their
-history is cached, and one hot prompt still reaches both replicas.
+"""Prefix-aware routing, two model replicas: conversations stay where their history is cached,
+and one hot prompt still reaches both replicas.
 
-A second application (``prefix``, the same app and model under ``/prefix``) runs two model
-replicas, pinned. Whether a turn found its history cached is vLLM's own answer:
-``usage.prompt_tokens_details.cached_tokens``. Each conversation has its own system prompt,
-so only the replica that served its earlier turns holds any of its prompt: a later turn
-sent to the other replica would find nothing cached.
+A third application (``prefix``: the bed's application under ``/prefix``) runs two model
+replicas, pinned, on the simulated engine with its prefix cache (vLLM's automatic prefix
+caching as the engine core does it: docs/simulated-engine.md). Whether a turn found its
+history cached is vLLM's own answer: ``usage.prompt_tokens_details.cached_tokens``. Each
+conversation has its own system prompt, so only the replica that served its earlier turns
+holds any of its prompt: a later turn sent to the other replica would find nothing cached.
 """
 
 from __future__ import annotations
@@ -15,46 +16,28 @@ import copy
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
-from tests.e2e.serve_state import (
-    DeploymentName,
-    live_replicas,
-    ongoing_at,
-    replica_engines,
-    running,
-    serve_deploy,
-    stopped,
-    wait_until,
-)
-
-pytestmark = pytest.mark.disruptive  # it loads two more engines
+from tests.e2e.apps import application
+from tests.e2e.serve_state import DeploymentName, live_replicas, ongoing_at, running, serve_deploy
+from tests.e2e.simulation import SimulatedEngines
+from tests.waiting import wait_until
 
 MODEL = DeploymentName("prefix", "model-glm-4-9b-chat")
 MODEL_NAME = "glm-4-9b-chat"
 CONVERSATIONS = 8
 TURNS = 4
 ANSWER_TOKENS = 16
-HOT_BURST = 40  # identical requests, held while both engines are frozen
+HOT_BURST = 40  # identical requests, held while both engines are paused
 
 
 def prefix_app(base: dict[str, Any]) -> dict[str, Any]:
-    """The session's application under another name and route, with two model replicas pinned.
-
-    Engines stay frozen for seconds in the hot-prefix part, so the stall timeout is longer.
-    """
+    """The bed's application under another name and route, with two model replicas pinned."""
     app = copy.deepcopy(base)
     app["name"], app["route_prefix"] = "prefix", "/prefix"
     (model,) = app["args"]["models"]
-    assert model["prefix_routing"]["enabled"]  # the shipped CPU config routes by prefix
-    model["engine_stall_timeout_s"] = 50  # (below ingress.request_timeout_s, 60)
-    deployment = model["deployment"]
-    deployment.pop("autoscaling_config")
-    deployment["num_replicas"] = 2
-    ingress = app["args"]["ingress"]
-    ingress["deployment"].pop("autoscaling_config", None)
-    ingress["deployment"]["num_replicas"] = 1
+    assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix
+    model["deployment"]["num_replicas"] = 2
     return app
 
 
@@ -81,17 +64,18 @@ async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
     return usages
 
 
-async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(app, cluster, tmp_path):
+async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(sim_app, cluster, tmp_path):
+    app = sim_app
     config = yaml.safe_load(app.config_path.read_text())
     both = copy.deepcopy(config)
-    both["applications"].append(prefix_app(config["applications"][0]))
+    both["applications"].append(prefix_app(application(config, app.name)))
     both_path = tmp_path / "with-prefix-app.yaml"
     both_path.write_text(yaml.safe_dump(both, sort_keys=False))
     try:
         await serve_deploy(both_path, cluster)
-        await wait_until(lambda: running(MODEL, 2), timeout_s=480, what="the prefix app's two model replicas running")
+        await wait_until(lambda: running(MODEL, 2), 120, "the prefix app's two model replicas running")
         limits = httpx.Limits(max_connections=HOT_BURST + CONVERSATIONS)
-        async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=app.origin, timeout=120, limits=limits) as client:
             conversations = await asyncio.gather(*(converse(client, n) for n in range(CONVERSATIONS)))
             for n, usages in enumerate(conversations):
                 assert usages[0]["prompt"] > 250, usages  # several KV blocks of its own
@@ -104,23 +88,22 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
                 f"{CONVERSATIONS} conversations x {TURNS} turns: turns >= 2 had {hit_rate:.0%} of their prompt cached"
             )
 
-            # One hot prompt: while both engines are frozen, whatever a replica admits stays in its count.
-            replicas = list(await asyncio.to_thread(live_replicas, MODEL))
-            engines = await asyncio.to_thread(replica_engines, MODEL)
+            # One hot prompt: while both engines are paused, whatever a replica admits stays in its count.
+            replicas = list(await live_replicas(MODEL))
             hot = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "The same question, again."}]}
-            with stopped([process for processes in engines.values() for process in processes]):
+            async with SimulatedEngines(MODEL).paused():
                 burst = [
                     asyncio.create_task(client.post("/prefix/v1/chat/completions", json=hot | {"max_tokens": 8}))
                     for _ in range(HOT_BURST)
                 ]
 
                 async def counts() -> list[int]:
-                    return [await asyncio.to_thread(ongoing_at, replica) for replica in replicas]
+                    return [await ongoing_at(replica) for replica in replicas]
 
                 async def all_admitted() -> bool:
                     return sum(await counts()) == HOT_BURST
 
-                await wait_until(all_admitted, timeout_s=60, what=f"the {HOT_BURST} hot requests admitted")
+                await wait_until(all_admitted, 60, f"the {HOT_BURST} hot requests admitted")
                 held = await counts()
             answers = await asyncio.gather(*burst)
         assert [a.status_code for a in answers] == [200] * HOT_BURST, [a.text for a in answers if a.status_code != 200]

@@ -1,14 +1,11 @@
-"""Rolling config changes on the real app: an operator turns API keys on, then per-key limits.
+"""Rolling config changes on the bed: an operator turns API keys on, then per-key limits.
 
 Changing the application's arguments replaces every replica. Streams from clients
 that already send their key flow through the replacement and complete in full;
 afterwards every ``/v1/*`` request needs a key, ``/health`` does not, a rotated
 key file takes effect without a restart, and no key is ever written to a log.
 Then per-key rate limits go on with two ingress replicas, which together admit
-exactly the configured rate.
-
-These change the shared app's config and leave keys and limits on, so they run last,
-in this order.
+exactly the configured rate. Each test deploys the bed as it was when it ends.
 """
 
 from __future__ import annotations
@@ -26,20 +23,19 @@ import pytest
 import ray
 import yaml
 
-from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.grpc_calls import call
+from tests.e2e.apps import application
+from tests.e2e.bodies import chat, grpc_chat
+from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import (
     DeploymentName,
     only_one_running,
     replica_states,
     running,
     serve_deploy,
-    wait_until,
 )
 from tests.e2e.sse import post_stream
-
-pytestmark = pytest.mark.disruptive
+from tests.waiting import wait_until
 
 KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
 ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
@@ -51,25 +47,24 @@ REQUESTS_PER_MINUTE = 12
 TOKENS_PER_MINUTE = 1200
 
 
-def chat(model: str, tokens: int, **extra) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "Keep talking."}],
-        "max_tokens": tokens,
-        "min_tokens": tokens,
-    } | extra
-
-
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(app, one_replica, cluster, tmp_path):
+@pytest.fixture
+async def restored(bed, cluster):
+    """The bed; deployed again as it was once the test ends."""
+    yield bed
+    await serve_deploy(bed.app.config_path, cluster)
+
+
+async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(restored, cluster, tmp_path):
+    app, model = restored.app, restored.model
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("\n".join(KEYS) + "\n")
     config = yaml.safe_load(app.config_path.read_text())
-    config["applications"][0]["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
-    keyed = app.config_path.with_name("with-api-keys.yaml")
+    application(config, app.name)["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    keyed = tmp_path / "with-api-keys.yaml"
     keyed.write_text(yaml.safe_dump(config, sort_keys=False))
 
     rollout_done = asyncio.Event()
@@ -86,12 +81,12 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(app, one_r
 
         workers = [asyncio.create_task(stream_until_rolled_out()) for _ in range(16)]
         try:
+            started = time.monotonic()
             await serve_deploy(keyed, cluster)
             # A replacement starts next to the old replica (max_surge_percent), then the old one drains.
-            await wait_until(lambda: _replacing(one_replica), timeout_s=60, what="replacing the replica")
-            took = await wait_until(
-                lambda: only_one_running(one_replica), timeout_s=300, what="rolled out to the new config"
-            )
+            await wait_until(lambda: _replacing(model), 60, "replacing the replica")
+            await wait_until(lambda: only_one_running(model), 300, "rolled out to the new config")
+            took = time.monotonic() - started
         finally:
             rollout_done.set()
             await asyncio.gather(*workers)
@@ -99,7 +94,7 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(app, one_r
     print(f"rolled out in {took:.0f} s; {len(results)} streams ran through it")
     assert results and not incomplete, f"{len(incomplete)} of {len(results)} streams were cut: {incomplete[:5]}"
 
-    await wait_until(lambda: _keys_required(app.url), timeout_s=60, what="requiring API keys")
+    await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
     _check_keys_are_required(app)
     await _check_grpc_calls_need_a_key(app)
     await _check_rotation(app, keys_file)
@@ -129,22 +124,23 @@ def _check_keys_are_required(app) -> None:
 
 async def _check_grpc_calls_need_a_key(app) -> None:
     """gRPC: the same keys from ``authorization`` metadata; UNAUTHENTICATED (and a final error response) without one."""
-    request = pb.ChatCompletionRequest(model=app.model, messages=[pb.Message(role="user", content="hi")], max_tokens=8)
-    async with grpc.aio.insecure_channel(app.grpc_target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    request = grpc_chat(app.model, 8)
+    async with channel(app) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
         for metadata in ((), (("authorization", "Bearer sk-e2e-wrong"),)):
             refused = await call(stub.ChatCompletion, request, metadata=metadata)
             assert refused.code == grpc.StatusCode.UNAUTHENTICATED, refused.details
             assert [r.error.code for r in refused.responses] == ["invalid_api_key"]  # one final response
             assert "sk-e2e" not in refused.details
-        responses = [r async for r in stub.ChatCompletion(request, metadata=(("authorization", f"Bearer {KEYS[1]}"),))]
+        key = (("authorization", f"Bearer {KEYS[1]}"),)
+        responses = [r async for r in stub.ChatCompletion(request, metadata=key)]
         assert responses[-1].final and responses[-1].usage.completion_tokens > 0
 
 
 async def _check_rotation(app, keys_file: Path) -> None:
     """A rewritten key file (as Kubernetes updates a mounted Secret) takes effect with no restart."""
     keys_file.write_text(ROTATED + "\n")
-    await wait_until(lambda: _accepts(app.url, ROTATED), timeout_s=30, what="accepting the rotated key")
+    await wait_until(lambda: _accepts(app.url, ROTATED), 30, "accepting the rotated key")
     assert not await _accepts(app.url, KEYS[0])
 
 
@@ -152,17 +148,17 @@ def _session_logs() -> Path:
     return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
 
 
-def _ingress_logs_naming(request_ids: list[str]) -> list[Path]:
-    """The ingress replicas' log files (Serve writes one per replica) that name any of the requests."""
+def _ingress_logs_naming(app_name: str, request_ids: list[str]) -> list[Path]:
+    """The app's ingress replicas' log files (Serve writes one per replica) that name any of the requests."""
     return [
         path
-        for path in (_session_logs() / "serve").glob("replica_*_Ingress_*.log")
+        for path in (_session_logs() / "serve").glob(f"replica_{app_name}_Ingress_*.log")
         if any(request_id in path.read_text(errors="replace") for request_id in request_ids)
     ]
 
 
-async def _both_ingress_replicas_logged(request_ids: list[str]) -> bool:
-    return len(await asyncio.to_thread(_ingress_logs_naming, request_ids)) == 2
+async def _both_ingress_replicas_logged(app_name: str, request_ids: list[str]) -> bool:
+    return len(await asyncio.to_thread(_ingress_logs_naming, app_name, request_ids)) == 2
 
 
 def _check_no_key_is_logged(app) -> None:
@@ -190,22 +186,22 @@ async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
 
 
-async def test_two_ingress_replicas_together_enforce_each_keys_rate_limits(app, one_replica, cluster, tmp_path):
+async def test_two_ingress_replicas_together_enforce_each_keys_rate_limits(restored, cluster, tmp_path):
+    app, model = restored.app, restored.model
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("\n".join(LIMITED) + "\n")
     config = yaml.safe_load(app.config_path.read_text())
-    ingress = config["applications"][0]["args"]["ingress"]
+    ingress = application(config, app.name)["args"]["ingress"]
     ingress["api_keys"] = {"file": str(keys_file)}
     ingress["rate_limits"] = {"requests_per_minute": REQUESTS_PER_MINUTE, "tokens_per_minute": TOKENS_PER_MINUTE}
-    ingress["deployment"] = {k: v for k, v in ingress["deployment"].items() if k != "autoscaling_config"}
     ingress["deployment"]["num_replicas"] = 2
-    limited = app.config_path.with_name("with-rate-limits.yaml")
+    limited = tmp_path / "with-rate-limits.yaml"
     limited.write_text(yaml.safe_dump(config, sort_keys=False))
     await serve_deploy(limited, cluster)
-    ingress_replicas = DeploymentName(one_replica.app_name, "Ingress")
-    await wait_until(lambda: _accepts(app.url, LIMITED[0]), timeout_s=300, what="accepting the new keys")
-    await wait_until(lambda: running(ingress_replicas, 2), timeout_s=300, what="running two ingress replicas")
-    await wait_until(lambda: only_one_running(one_replica), timeout_s=300, what="settled at one model replica")
+    ingress_replicas = DeploymentName(app.name, "Ingress")
+    await wait_until(lambda: _accepts(app.url, LIMITED[0]), 300, "accepting the new keys")
+    await wait_until(lambda: running(ingress_replicas, 2), 300, "running two ingress replicas")
+    await wait_until(lambda: only_one_running(model), 300, "settled at one model replica")
 
     await _check_requests_per_minute(app)
     await _check_tokens_per_minute(app)
@@ -227,9 +223,7 @@ async def _check_requests_per_minute(app) -> None:
     responses = await asyncio.gather(*(one(request_id) for request_id in request_ids))
     # Serve writes each replica's access line as the answer ends: wait for them to land.
     await wait_until(
-        lambda: _both_ingress_replicas_logged(request_ids),
-        timeout_s=30,
-        what="the requests logged by both ingress replicas",
+        lambda: _both_ingress_replicas_logged(app.name, request_ids), 30, "the requests logged by both ingress replicas"
     )
     refilled = math.floor((time.monotonic() - started) * REQUESTS_PER_MINUTE / 60)
     statuses = sorted(r.status_code for r in responses)

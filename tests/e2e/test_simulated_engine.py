@@ -3,30 +3,27 @@
 First, in this process and without HTTP: vLLM's ``AsyncLLM`` on the simulated
 engine core answers as the real engine does for what the simulation replaces
 (exact lengths, ``n``, seeds, stop tokens after ``min_tokens``, ``ignore_eos``,
-logprobs, aborts). Then deploy/config.sim.yaml's application, as a second
-application on the suite's cluster with 4 replicas and no load time: 256
-concurrent streams all complete with exactly their lengths, and every replica
-served some of them.
+logprobs, aborts), and its controls (pause, pace, fail, hang) act as the load and
+fault tests rely on. Then the bed (deploy/config.sim.yaml's application) with 4
+replicas: 256 concurrent streams all complete with exactly their lengths, and
+every replica served some of them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from tests.e2e.apps import SIM_CONFIG, application
+from tests.e2e.serve_state import DeploymentName, running, serve_deploy
 from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import scrape, wait_until
+from tests.e2e.telemetry import scrape, settled
+from tests.waiting import wait_until
 
-REPO = Path(__file__).resolve().parents[2]
-SIM_CONFIG = REPO / "deploy" / "config.sim.yaml"
-APP_NAME = "glm-sim"
-ROUTE_PREFIX = "/sim"
 REPLICAS = 4
 STREAMS = 256
 
@@ -53,13 +50,12 @@ def simulated_engine(**settings):
     return simulated_async_llm(vllm_config, config, usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-async def generate(engine, request_id: str, prompt_tokens: int = 16, **params):
+async def generate(engine, request_id: str, prompt_tokens: int = 16, first_token: int = 20, **params):
     from vllm import SamplingParams
 
     final = None
-    async for output in engine.generate(
-        {"prompt_token_ids": list(range(20, 20 + prompt_tokens))}, SamplingParams(**params), request_id
-    ):
+    prompt = list(range(first_token, first_token + prompt_tokens))
+    async for output in engine.generate({"prompt_token_ids": prompt}, SamplingParams(**params), request_id):
         final = output
     return final
 
@@ -136,30 +132,105 @@ async def test_a_client_that_leaves_frees_the_engine(engine):
     assert engine.get_num_unfinished_requests() == 0
 
 
-# --- deploy/config.sim.yaml's application, 4 replicas ---
+# --- the controls tests drive it with (serve_app.simulated_engine.controls) ---
+
+
+async def test_paused_it_holds_what_arrives_and_resumed_it_completes_it(engine):
+    from serve_app.simulated_engine.controls import Control
+
+    core = engine.engine_core
+    assert core.control(Control.PAUSE).paused
+    held = [asyncio.create_task(generate(engine, f"p{i}", max_tokens=8)) for i in range(4)]
+    state = await until(lambda: (s := core.state()).waiting == 4 and s)
+    assert (state.running, state.tokens) == (0, 0)  # held, not started: no token came
+    resumed = core.control(Control.RESUME)
+    assert not resumed.paused and resumed.holds == 4
+    outputs = await asyncio.gather(*held)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8] * 4
+    assert core.state().tokens == 32
+
+
+async def test_paused_it_still_reports_to_the_replicas_watch_and_hung_it_does_not(engine):
+    from serve_app.simulated_engine.controls import HEARTBEAT_S, Control
+
+    core = engine.engine_core
+    handler = engine.output_handler  # vLLM's task that reads the core: stopped, so this test reads it
+    handler.cancel()
+    await asyncio.gather(handler, return_exceptions=True)
+    core.control(Control.PAUSE)
+    beat = await asyncio.wait_for(core.get_output_async(), timeout=10 * HEARTBEAT_S)
+    assert beat.outputs == [] and beat.scheduler_stats is not None  # alive, busy elsewhere
+    core.control(Control.HANG)
+    with pytest.raises(TimeoutError):  # not even a heartbeat: what the watch takes for a hung engine
+        await asyncio.wait_for(core.get_output_async(), timeout=4 * HEARTBEAT_S)
+
+
+async def test_pace_stretches_every_step_of_the_timing_model(engine):
+    from serve_app.simulated_engine.controls import Control
+
+    core = engine.engine_core
+
+    async def gpu_time(first_token: int) -> float:
+        """Simulated GPU time of one 12-token answer to a 16-token prompt (prompts differ: nothing cached)."""
+        before = core.state().busy_s
+        await generate(engine, f"pace-{first_token}", first_token=first_token, max_tokens=12)
+        return core.state().busy_s - before
+
+    normal = await gpu_time(first_token=20)
+    assert core.control(Control.PACE, pace=3.0).pace == 3.0
+    slow = await gpu_time(first_token=60)
+    assert normal > 0 and slow == pytest.approx(3 * normal), (normal, slow)
+    with pytest.raises(ValueError, match="positive"):
+        core.control(Control.PACE, pace=0)
+
+
+async def test_failed_it_ends_what_it_holds_through_vllms_engine_dead_path():
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from serve_app.simulated_engine.controls import Control
+
+    engine = simulated_engine()
+    try:
+        core = engine.engine_core
+        core.control(Control.PAUSE)
+        held = [asyncio.create_task(generate(engine, f"f{i}", max_tokens=8)) for i in range(3)]
+        await until(lambda: core.state().waiting == 3)
+        assert core.control(Control.FAIL).dead
+        results = await asyncio.gather(*held, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert engine.errored  # what the replica's engine watch reads
+        with pytest.raises(EngineDeadError):
+            await generate(engine, "after", max_tokens=1)
+    finally:
+        engine.shutdown()
+
+
+async def until(condition, within_s: float = 10.0):
+    """The engine runs in this loop: yield to it until ``condition()`` is true (its value)."""
+    return await wait_until(condition, within_s, "the simulated engine's state", every_s=0.01)
+
+
+# --- the bed (deploy/config.sim.yaml's application), 4 replicas ---
 
 
 @pytest.fixture(scope="module")
-def sim_app(app, cluster):
-    """deploy/config.sim.yaml's application next to the suite's app: 4 replicas, no load time."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    args = copy.deepcopy(sim_app_args())
-    model = args["models"][0]
-    model["simulated_engine"]["load_s"] = 0
-    del model["deployment"]["autoscaling_config"]
-    model["deployment"]["num_replicas"] = REPLICAS
-    serve.run(build_app(args), name=APP_NAME, route_prefix=ROUTE_PREFIX)
-    url = app.url + ROUTE_PREFIX
-    wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, 120, "the simulated app healthy")
-    yield url
-    serve.delete(APP_NAME)
+async def four_replicas(sim_app, cluster, tmp_path_factory):
+    """The bed with 4 model replicas (a lightweight update: the running one stays); 1 again after."""
+    config = yaml.safe_load(sim_app.config_path.read_text())
+    application(config, sim_app.name)["args"]["models"][0]["deployment"]["num_replicas"] = REPLICAS
+    path = tmp_path_factory.mktemp("four") / "bed-with-4-replicas.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    model = DeploymentName(sim_app.name, sim_app.model_deployment)
+    await serve_deploy(path, cluster)
+    try:
+        await wait_until(lambda: running(model, REPLICAS), 120, f"the bed at {REPLICAS} running replicas")
+        yield sim_app
+    finally:
+        await serve_deploy(sim_app.config_path, cluster)
 
 
-async def test_the_simulated_app_says_it_is_simulated(sim_app):
-    async with httpx.AsyncClient(base_url=sim_app, timeout=60) as client:
+async def test_the_simulated_app_says_it_is_simulated(four_replicas):
+    async with httpx.AsyncClient(base_url=four_replicas.url, timeout=60) as client:
         [model] = (await client.get("/v1/models")).json()["data"]
         assert (model["owned_by"], model["simulated"]) == ("simulated", True)
         body = {"model": model["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -168,10 +239,11 @@ async def test_the_simulated_app_says_it_is_simulated(sim_app):
         assert answer["usage"]["completion_tokens"] == 8
 
 
-async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(sim_app, metrics_url):
+async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(four_replicas, metrics_url):
     limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
     lengths = [32 + i % 97 for i in range(STREAMS)]
-    async with httpx.AsyncClient(base_url=sim_app, timeout=300, limits=limits) as client:
+    before = settled(metrics_url, "ray_serve_deployment_request_counter_total")  # earlier requests all reported
+    async with httpx.AsyncClient(base_url=four_replicas.url, timeout=300, limits=limits) as client:
         streams = await asyncio.gather(
             *(
                 post_stream(
@@ -198,21 +270,22 @@ async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(sim_app
     seen: dict[str, float] = {}
 
     def requests_per_replica() -> dict[str, float] | None:
-        """Requests each model replica of the simulated app answered (Serve's own counter)."""
+        """Requests each model replica of the bed answered since the streams began (Serve's own counter)."""
         seen.clear()
-        for (name, labels), value in scrape(metrics_url).items():
+        after = scrape(metrics_url)
+        for (name, labels), value in after.items():
             tags = dict(labels)
             if (
                 name == "ray_serve_deployment_request_counter_total"
-                and tags.get("application") == APP_NAME
-                and tags.get("deployment") == "model-glm-4-9b-chat"
+                and tags.get("application") == four_replicas.name
+                and tags.get("deployment") == four_replicas.model_deployment
             ):
-                seen[tags["replica"]] = seen.get(tags["replica"], 0.0) + value
-        # (the model deployment also answered the one chat request of the test above, if it ran)
-        return dict(seen) if sum(seen.values()) >= STREAMS else None
+                grown = value - before.get((name, labels), 0.0)
+                seen[tags["replica"]] = seen.get(tags["replica"], 0.0) + grown
+        return {replica: n for replica, n in seen.items() if n} if sum(seen.values()) >= STREAMS else None
 
     try:
-        counts = wait_until(requests_per_replica, 60, f"the {STREAMS} requests counted by replica")
+        counts = await wait_until(requests_per_replica, 60, f"the {STREAMS} requests counted by replica")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; counted so far: {seen}") from None
-    assert len(counts) == REPLICAS and all(value > 0 for value in counts.values()), counts
+    assert len(counts) == REPLICAS and sum(counts.values()) == STREAMS, counts

@@ -391,11 +391,11 @@ async def test_a_body_that_arrives_too_slowly_is_408():
     client, handle = client_for([Reply(200, b'{"id": "x"}')], body_timeout_s=0.3)
     parts = [b'{"model": "glm-4-9b-chat", ', b'"messages": [{"role": "user", "content": "hi"}]}']
 
-    async def receive() -> dict:  # a client that sends half its body, then stalls
+    async def receive() -> dict:  # a client that sends half its body, then stalls for good
         if len(parts) == 2:
             return {"type": "http.request", "body": parts.pop(0), "more_body": True}
-        await asyncio.sleep(0.6)
-        return {"type": "http.request", "body": parts.pop(0), "more_body": False}
+        await asyncio.Event().wait()  # only the server's body timeout ends this wait
+        raise AssertionError("unreachable")
 
     sent: list[dict] = []
 

@@ -33,6 +33,7 @@ from tests.unit.k8s_manifests import (
     serve_config_file,
     worker_groups,
 )
+from tools.cluster_env import cluster_env
 
 
 def test_there_is_a_small_and_a_production_overlay_and_one_for_incremental_upgrades():
@@ -54,6 +55,18 @@ def test_the_crd_schema_check_catches_a_wrong_field_type():
     bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = "eight"
     with pytest.raises(jsonschema.ValidationError, match="eight"):
         jsonschema.validate(bad, crd_schema("RayService"))
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_every_ray_container_has_the_cluster_env_of_deploy_cluster_env(name):
+    """Serve's cluster settings are read where Ray starts: every head and worker container has them."""
+    expected = cluster_env()
+    assert expected, "deploy/cluster.env is empty"
+    (rayservice,) = rayservices(name)
+    for template in pod_templates(rayservice):
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert {k: env.get(k) for k in expected} == expected, container["name"]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)

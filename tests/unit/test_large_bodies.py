@@ -65,9 +65,12 @@ async def test_the_checker_process_answers_as_check_body_does():
 
 
 def wait_for_file(request_model: type, raw: bytes) -> APIError:
-    """A check that takes until the test says (the file ``raw`` names exists)."""
+    """A check that takes until the test says (the file ``raw`` names exists), in the checker process."""
+    deadline = time.monotonic() + 60
     while not os.path.exists(raw.decode()):
-        time.sleep(0.01)
+        if time.monotonic() > deadline:
+            return APIError(500, "the test never released the check")
+        time.sleep(0.01)  # the interval between two looks for the file
     return APIError(400, "checked")
 
 
@@ -82,7 +85,7 @@ async def test_more_than_max_waiting_large_bodies_are_refused_with_429(tmp_path:
     release = tmp_path / "release"
     try:
         waiting = [asyncio.create_task(checker.check(BaseModel, str(release).encode())) for _ in range(MAX_WAITING)]
-        await asyncio.sleep(0)  # each has taken its place
+        await asyncio.sleep(0)  # one turn of the loop: each task counts itself as waiting, then awaits
         with pytest.raises(APIError) as refused:
             await checker.check(BaseModel, str(release).encode())
         assert refused.value.status == 429 and refused.value.code == "overloaded"
