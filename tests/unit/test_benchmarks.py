@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import psutil
@@ -13,6 +12,7 @@ from benchmarks.client import Workload, carries_tokens
 from benchmarks.load import Load, levels_from, parse_args
 from benchmarks.plot import plot_levels
 from benchmarks.records import RequestRecord, percentiles, summarize
+from tests.waiting import wait_until_blocking
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,10 +140,8 @@ def test_the_cpu_share_competitor_runs_only_inside_its_block():
         assert nothing is None
     with busy_process(0.2) as proc:
         spinner = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 10
-        while sum(spinner.cpu_times()[:2]) < 0.05 and time.monotonic() < deadline:
-            time.sleep(0.05)  # poll interval of the condition: the spinner has used CPU
-        assert sum(spinner.cpu_times()[:2]) >= 0.05 and proc.poll() is None
+        wait_until_blocking(lambda: sum(spinner.cpu_times()[:2]) >= 0.05, 10, "the spinner using CPU", every_s=0.05)
+        assert proc.poll() is None
     assert proc.returncode is not None  # ended with its block
 
 

@@ -87,14 +87,15 @@ async def test_lets_the_calls_it_holds_finish_first() -> None:
     assert left == [1] and watch.ongoing == 0
 
 
-async def test_leaves_only_after_the_errors_had_time_to_be_delivered() -> None:
+async def test_leaves_only_after_the_errors_had_time_to_be_delivered(caplog) -> None:
     """The calls have ended (their errors yielded); the process still waits ``deliver_s``
     for Ray to send them before it exits."""
     engine = Engine()
     engine.dead = True
     watch, left = watch_of(engine)
     task = asyncio.create_task(watch.watch(poll_s=0.01, drain_s=5, deliver_s=30))
-    await asyncio.sleep(0.2)  # a window in which it must not leave: deliver_s is 30 s
+    # It logs, finds no call to drain and starts its wait of deliver_s in one step of its task.
+    await wait_until(lambda: "the vLLM engine died" in caplog.text, 5, "the watch saying the engine died")
     assert watch.ongoing == 0 and left == [] and not task.done()
     task.cancel()
 

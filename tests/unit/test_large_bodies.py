@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from serve_app.ingress.large_bodies import (
     check_body,
 )
 from tests.hostile_requests import chat
+from tests.waiting import wait_until_blocking
 
 
 def chat_request_model() -> type[BaseModel]:
@@ -66,11 +66,10 @@ async def test_the_checker_process_answers_as_check_body_does():
 
 def wait_for_file(request_model: type, raw: bytes) -> APIError:
     """A check that takes until the test says (the file ``raw`` names exists), in the checker process."""
-    deadline = time.monotonic() + 60
-    while not os.path.exists(raw.decode()):
-        if time.monotonic() > deadline:
-            return APIError(500, "the test never released the check")
-        time.sleep(0.01)  # the interval between two looks for the file
+    try:
+        wait_until_blocking(lambda: os.path.exists(raw.decode()), 60, "the test releasing the check", every_s=0.01)
+    except AssertionError:
+        return APIError(500, "the test never released the check")
     return APIError(400, "checked")
 
 

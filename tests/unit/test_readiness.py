@@ -15,6 +15,7 @@ from ray.serve.schema import (
 )
 
 from serve_app.ingress.readiness import Readiness, ReadinessWatch, running_models
+from tests.waiting import wait_until
 
 
 def overview(**states: int) -> DeploymentStatusOverview:
@@ -93,12 +94,6 @@ def watch_of(watches):
     return make
 
 
-async def wait_for(condition, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)  # poll interval of the condition above
-
-
 async def test_not_ready_until_the_controller_first_answers(watch_of):
     controller = Controller()
     controller.released.clear()
@@ -109,7 +104,7 @@ async def test_not_ready_until_the_controller_first_answers(watch_of):
     readiness = watch.readiness()
     assert not readiness.ready and readiness.age_s is None and "not known yet" in readiness.problem()
     controller.released.set()
-    await wait_for(lambda: watch.readiness().ready)
+    await wait_until(lambda: watch.readiness().ready, 5, "the watch ready", every_s=0.01)
     assert watch.readiness().models == {"glm-4-9b-chat": True, "second": True}
 
 
@@ -117,19 +112,19 @@ async def test_a_stalled_controller_keeps_the_last_answer_with_its_age_and_one_c
     controller = Controller()
     watch = watch_of(controller, max_age_s=0.5)
     watch.start()
-    await wait_for(lambda: watch.readiness().ready)
+    await wait_until(lambda: watch.readiness().ready, 5, "the watch ready", every_s=0.01)
     controller.released.clear()
     await asyncio.to_thread(controller.stalled.wait, 5)
     calls = controller.calls
     for _ in range(1000):  # a flood of probes: answered from memory, no call each
         assert watch.readiness().ready or watch.readiness().stale
-    await asyncio.sleep(0.2)
-    assert controller.calls == calls and controller.most_in_flight == 1
-    await wait_for(lambda: watch.readiness().stale)  # past max_age_s: no longer claimed ready
+    # Past max_age_s the last answer is no longer claimed ready.
+    await wait_until(lambda: watch.readiness().stale, 5, "the answer stale", every_s=0.01)
+    assert controller.calls == calls and controller.most_in_flight == 1  # all that time: no call more
     readiness = watch.readiness()
     assert not readiness.ready and "has not answered for" in readiness.problem()
     controller.released.set()
-    await wait_for(lambda: watch.readiness().ready)
+    await wait_until(lambda: watch.readiness().ready, 5, "the watch ready", every_s=0.01)
 
 
 async def test_a_failing_controller_is_logged_once_and_ages_out(caplog, watch_of):
@@ -138,7 +133,7 @@ async def test_a_failing_controller_is_logged_once_and_ages_out(caplog, watch_of
     watch = watch_of(controller, max_age_s=0.2)
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         watch.start()
-        await wait_for(lambda: controller.calls >= 5)
+        await wait_until(lambda: controller.calls >= 5, 5, "5 calls to the controller", every_s=0.01)
     assert len([r for r in caplog.records if "reading Serve's status" in r.getMessage()]) == 1
     assert not watch.readiness().ready
 
