@@ -3,10 +3,11 @@
 The simulated engine stands in for the GPU in the tests of the serving layer under load
 and faults. Those tests set up what they measure instead of racing it: requests held in
 the engine while a burst arrives, a death or a hang at a chosen moment, the engine's own
-count of what it holds. A model replica reaches these controls through
-``ModelServer.simulation`` (a Ray call, which needs the cluster's token; never HTTP), and
-only when its model's config has a ``simulated_engine`` section, which no production
-config has (a test checks every config the Kubernetes manifests carry).
+count of what it holds. They reach a model replica through the cluster's switchboard
+(:mod:`serve_app.simulated_engine.switchboard`: a Ray actor, which needs the cluster's token;
+never HTTP), followed only by replicas whose model's config has a ``simulated_engine``
+section, which no production config has (a test checks every config the Kubernetes
+manifests carry).
 """
 
 from __future__ import annotations
