@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 from ray import serve
 from ray.util.state import list_actors
 
@@ -52,6 +53,30 @@ async def serve_deploy(config: Path, dashboard_url: str) -> None:
     )
     output, _ = await deploy.communicate()
     assert deploy.returncode == 0, output.decode()
+
+
+async def serve_deploy_settled(config: Path, dashboard_url: str, within_s: float = SETTLE_S) -> None:
+    """``serve deploy`` the config and wait until it is what runs: its applications, and no others, settled.
+
+    A test that changed the shared apps restores them with this, so the next test never
+    meets the last one's replicas (an ingress still asking for API keys, say).
+    """
+    await serve_deploy(config, dashboard_url)
+    names = {app["name"] for app in yaml.safe_load(config.read_text())["applications"]}
+    await wait_until(lambda: only_these_settled(names), within_s, f"the applications {sorted(names)} settled")
+
+
+async def only_these_settled(app_names: set[str]) -> bool:
+    """Exactly these applications exist, each running its deployed config: every deployment
+    healthy, and no replica of it starting, updating or stopping."""
+    status = await asyncio.to_thread(serve.status)
+    if set(status.applications) != app_names:
+        return False
+    return all(
+        app.status == "RUNNING"
+        and all(d.status == "HEALTHY" and set(d.replica_states) == {"RUNNING"} for d in app.deployments.values())
+        for app in status.applications.values()
+    )
 
 
 async def deployment_status(deployment: DeploymentName) -> Any:

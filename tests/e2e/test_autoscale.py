@@ -30,6 +30,7 @@ from tests.e2e.serve_state import (
     request_log_lines,
     running,
     serve_deploy,
+    serve_deploy_settled,
     single_replica,
 )
 from tests.waiting import wait_until
@@ -67,7 +68,7 @@ async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back
     try:
         await scale_out_fail_one_and_scale_back(bed, scaling)
     finally:
-        await serve_deploy(app.config_path, cluster)  # the bed as it was: one replica
+        await serve_deploy_settled(app.config_path, cluster)  # the bed as it was: one replica
 
 
 async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:

@@ -41,6 +41,7 @@ from tests.e2e.serve_state import (
     replica_states,
     running,
     serve_deploy,
+    serve_deploy_settled,
 )
 from tests.e2e.simulation import SimulatedEngines
 from tests.waiting import wait_until
@@ -168,7 +169,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
     finally:
         if hook is not None and hook.returncode is None:
             hook.kill()
-        await serve_deploy(app.config_path, cluster)  # the drain app goes
+        await serve_deploy_settled(app.config_path, cluster)  # the drain app goes
         await asyncio.to_thread(node_a.stop)
         await asyncio.to_thread(node_b.stop)
 

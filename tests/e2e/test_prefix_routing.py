@@ -19,7 +19,7 @@ import httpx
 import yaml
 
 from tests.e2e.apps import application
-from tests.e2e.serve_state import DeploymentName, live_replicas, ongoing_at, running, serve_deploy
+from tests.e2e.serve_state import DeploymentName, live_replicas, ongoing_at, running, serve_deploy, serve_deploy_settled
 from tests.e2e.simulation import SimulatedEngines
 from tests.waiting import wait_until
 
@@ -112,4 +112,4 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
         assert min(held) >= 1, held
         print(f"{HOT_BURST} identical requests: {held} held by the two replicas")
     finally:
-        await serve_deploy(app.config_path, cluster)  # the prefix app goes
+        await serve_deploy_settled(app.config_path, cluster)  # the prefix app goes

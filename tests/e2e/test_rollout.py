@@ -33,6 +33,7 @@ from tests.e2e.serve_state import (
     replica_states,
     running,
     serve_deploy,
+    serve_deploy_settled,
 )
 from tests.e2e.sse import post_stream
 from tests.waiting import wait_until
@@ -55,7 +56,7 @@ def bearer(key: str) -> dict[str, str]:
 async def restored(bed, cluster):
     """The bed; deployed again as it was once the test ends."""
     yield bed
-    await serve_deploy(bed.app.config_path, cluster)
+    await serve_deploy_settled(bed.app.config_path, cluster)
 
 
 async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(restored, cluster, tmp_path):

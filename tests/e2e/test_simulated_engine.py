@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.e2e.apps import SIM_CONFIG, application
-from tests.e2e.serve_state import DeploymentName, running, serve_deploy
+from tests.e2e.serve_state import serve_deploy_settled
 from tests.e2e.sse import post_stream
 from tests.e2e.telemetry import scrape, settled
 from tests.waiting import wait_until
@@ -220,18 +220,18 @@ async def four_replicas(sim_app, cluster, tmp_path_factory):
     application(config, sim_app.name)["args"]["models"][0]["deployment"]["num_replicas"] = REPLICAS
     path = tmp_path_factory.mktemp("four") / "bed-with-4-replicas.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    model = DeploymentName(sim_app.name, sim_app.model_deployment)
-    await serve_deploy(path, cluster)
+    await serve_deploy_settled(path, cluster)
     try:
-        await wait_until(lambda: running(model, REPLICAS), 120, f"the bed at {REPLICAS} running replicas")
         yield sim_app
     finally:
-        await serve_deploy(sim_app.config_path, cluster)
+        await serve_deploy_settled(sim_app.config_path, cluster)
 
 
 async def test_the_simulated_app_says_it_is_simulated(four_replicas):
     async with httpx.AsyncClient(base_url=four_replicas.url, timeout=60) as client:
-        [model] = (await client.get("/v1/models")).json()["data"]
+        models = await client.get("/v1/models")
+        assert models.status_code == 200, models.text
+        [model] = models.json()["data"]
         assert (model["owned_by"], model["simulated"]) == ("simulated", True)
         body = {"model": model["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
         answer = (await client.post("/v1/chat/completions", json=body)).json()
