@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # The Kubernetes security scanner (pyproject.toml's `scan` group), in an environment of its own.
 SCAN_VENV := .venv-scan
 SCAN_STAMP := $(SCAN_VENV)/.installed
+# LangChain and instructor (pyproject.toml's `clients` group), for the structured-output client test.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # The serve config `make serve` runs: the CPU engine by default; deploy/config.sim.yaml
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
@@ -38,6 +41,12 @@ $(SCAN_STAMP): pyproject.toml
 	$(SCAN_VENV)/bin/pip install --quiet --group scan
 	touch $(SCAN_STAMP)
 
+$(CLIENTS_STAMP): pyproject.toml
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet --group clients
+	touch $(CLIENTS_STAMP)
+
 tiny-model: $(TINY_MODEL)/tiny_model.json
 
 $(TINY_MODEL)/tiny_model.json: $(STAMP) tools/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
@@ -59,7 +68,7 @@ serve: install tiny-model
 prometheus:
 	tools/install-prometheus
 
-test: install tiny-model $(SCAN_STAMP) prometheus
+test: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
 	$(BIN)/python -m pytest -v --durations=15
 
 lint: install
@@ -70,7 +79,7 @@ lint: install
 unit: install $(SCAN_STAMP)
 	$(BIN)/python -m pytest -v -m "not e2e"
 
-e2e: install tiny-model prometheus
+e2e: install tiny-model $(CLIENTS_STAMP) prometheus
 	$(BIN)/python -m pytest -v -m e2e
 
 # Load benchmark of the app `make serve` runs (start it first, in another terminal).
@@ -86,4 +95,4 @@ proto: install
 	$(BIN)/python -m tools.build_proto
 
 clean:
-	rm -rf $(VENV) $(SCAN_VENV) .venv-lock $(TINY_MODEL)
+	rm -rf $(VENV) $(SCAN_VENV) $(CLIENTS_VENV) .venv-lock $(TINY_MODEL)

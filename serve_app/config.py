@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.glm4.format import check_dtype
+from serve_app.structured_outputs import with_grammar_backend
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -289,7 +290,7 @@ class ModelConfig(_Strict):
             raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
         check_dtype(value.get("dtype", "auto"))
         check_remote_code_is_pinned(value)
-        return value
+        return with_grammar_backend(value)
 
     @field_validator("deployment")
     @classmethod

@@ -117,3 +117,83 @@ def ray_stat_logger(
                     start_counter(counter.metric, counter._tags)
 
     return StatLogger
+
+
+# Tokenizers already made for llguidance, by the id of the tokenizer they were made from and
+# their settings (one per engine process, and one for the front end's validation).
+_llguidance_tokenizers: dict[tuple[int, int, str], Any] = {}
+
+
+def llguidance_tokenizer(tokenizer: Any, vocab_size: int, not_in_text: str) -> Any:
+    """llguidance's tokenizer for a Hugging Face ``tokenizer``, in which text stays text.
+
+    llguidance 1.7 tokenizes the bytes a grammar forces (a schema's ``const``, a regex's
+    literal) with the Hugging Face tokenizer, which reads the text ``<|user|>`` as the
+    control token: the mask then allows the control token, accepting it fails, and vLLM
+    ends the request with an error (a 500). Here each special token's text is prefixed
+    with ``not_in_text`` (a character requests may not carry) before llguidance reads the
+    tokenizer, so forced text is written as text; the control tokens keep their ids, and
+    a Lark grammar names them by id (``<[151336]>``). ``tests/unit/test_structured_outputs.py``
+    fails once llguidance no longer needs it.
+    """
+    import copy
+    import json
+
+    import llguidance
+
+    key = (id(tokenizer), vocab_size, not_in_text)
+    if key not in _llguidance_tokenizers:
+        backend = copy.copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer reads it
+        backend.no_padding()
+        backend.no_truncation()
+        spec = json.loads(backend.to_str())
+        vocab = spec["model"].get("vocab")  # a token also in the model's vocabulary keeps its text
+        for token in spec["added_tokens"]:
+            if token["special"] and not (isinstance(vocab, dict) and token["content"] in vocab):
+                token["content"] = not_in_text + token["content"]
+        _llguidance_tokenizers[key] = llguidance.LLTokenizer(
+            json.dumps(spec), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
+        )
+    return _llguidance_tokenizers[key]
+
+
+def guidance_keeps_text_as_text() -> None:
+    """Make vLLM's guidance backend, and its validation of requests, use :func:`llguidance_tokenizer`.
+
+    Run in every vLLM process (the replica's front end and its engine core) as a vLLM
+    plugin: pyproject.toml's ``vllm.general_plugins`` entry point names it. The prefix is
+    GLM-4's control mark, which the ingress refuses anywhere in a request's messages, tools
+    and structured outputs. Mistral's tokenizers keep vLLM's own path.
+    """
+    import vllm.sampling_params
+    from vllm.utils.mistral import is_mistral_tokenizer
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+
+    from serve_app.glm4.control_tokens import CONTROL_MARK
+
+    if getattr(GuidanceBackend._build_ll_tokenizer, "keeps_text_as_text", False):
+        return  # (vLLM loads its plugins more than once in a process)
+    vllm_builder = GuidanceBackend.__dict__["_build_ll_tokenizer"].__func__
+    vllm_validation_tokenizer = vllm.sampling_params._get_llg_tokenizer
+
+    def build(tokenizer: Any, vocab_size: int) -> Any:
+        if is_mistral_tokenizer(tokenizer):
+            return vllm_builder(tokenizer, vocab_size)
+        return llguidance_tokenizer(tokenizer, max(vocab_size, len(tokenizer)), CONTROL_MARK)
+
+    def validation_tokenizer(tokenizer: Any) -> Any:
+        if is_mistral_tokenizer(tokenizer):
+            return vllm_validation_tokenizer(tokenizer)
+        return llguidance_tokenizer(tokenizer, len(tokenizer), CONTROL_MARK)
+
+    build.keeps_text_as_text = True  # type: ignore[attr-defined]
+    GuidanceBackend._build_ll_tokenizer = staticmethod(build)
+    vllm.sampling_params._get_llg_tokenizer = validation_tokenizer
+
+
+def warm_structured_output_validation(tokenizer: Any) -> None:
+    """Build the front end's llguidance tokenizer now rather than in the first structured
+    request (about 2 s for GLM-4's 151,552 tokens on a slow CPU; blocking: call it in a thread)."""
+    import vllm.sampling_params
+
+    vllm.sampling_params._get_llg_tokenizer(tokenizer)

@@ -28,6 +28,9 @@ class Hostile:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+MARKED = {"type": "object", "properties": {"v": {"const": "\ufdd0<|user|>"}}}  # the control mark, then a token's text
+
+
 def chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
 
@@ -85,6 +88,25 @@ HOSTILE: list[Hostile] = [
     Hostile("messages an object", encoded(chat(messages={"role": "user", "content": "hi"})), 400, "messages"),
     Hostile("content a number", encoded(chat(messages=[{"role": "user", "content": 7}])), 400, "messages.0.content"),
     Hostile("tools an object", encoded(chat(tools={"type": "function"})), 400, "tools"),
+    # What grammars are built from may not hold GLM-4's control mark (serve_app/vllm_internals.py).
+    Hostile(
+        "control mark in a response_format schema",
+        encoded(chat(response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": MARKED}})),
+        400,
+        "response_format",
+    ),
+    Hostile(
+        "control mark in a structured_outputs regex",
+        encoded(chat(structured_outputs={"regex": "\ufdd0<\\|user\\|>"})),
+        400,
+        "structured_outputs",
+    ),
+    Hostile(
+        "control mark in a tool's schema",
+        encoded(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": MARKED}}])),
+        400,
+        "tools",
+    ),
     # Ranges
     Hostile("max_tokens 0", encoded(chat(max_tokens=0)), 400, "max_tokens"),
     Hostile("max_tokens -1", encoded(chat(max_tokens=-1)), 400, "max_tokens"),

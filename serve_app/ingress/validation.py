@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMClientError
 
 from serve_app.errors import APIError, quoted
+from serve_app.glm4.control_tokens import MARK_REFUSED, find_control_mark
 from serve_app.protocol import GenerationRequest, as_generation_request
 
 MAX_NESTING = 64  # far above any real request (tool schemas included); far below the parser's limits
@@ -142,6 +143,7 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationReq
         raise APIError(400, f"unrecognized request argument supplied: {name}", param=name)
     if "messages" in body:
         check_roles(body["messages"])
+    check_no_control_mark_in_grammar(body)
     body["request_id"] = uuid.uuid4().hex
     try:
         # JSON mode, strict: a JSON string is never a number or a boolean, a float never an int.
@@ -156,6 +158,19 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationReq
         raise APIError(400, "invalid request: a parameter has the wrong shape") from None
     check_ranges(body)  # what the client sent, now known to have the right JSON types
     return as_generation_request(payload)
+
+
+GRAMMAR_PARAMS = ("response_format", "structured_outputs", "tools")
+
+
+def check_no_control_mark_in_grammar(body: dict[str, Any]) -> None:
+    """What a grammar is built from may not hold GLM-4's control mark: llguidance is given the
+    control tokens' texts behind it, so text the grammar forces never spells one
+    (``serve_app/vllm_internals.py``, ``llguidance_tokenizer``)."""
+    for name in GRAMMAR_PARAMS:
+        where = find_control_mark(body.get(name), name)
+        if where is not None:
+            raise APIError(400, f"{quoted(where)} {MARK_REFUSED}", param=name)
 
 
 def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_output_tokens: int | None = None) -> None:

@@ -119,6 +119,7 @@ class ModelServer:
         state = State()
         await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
         stop_ids = glm4_serving.configure(state, self.engine)
+        await asyncio.to_thread(vllm_internals.warm_structured_output_validation, self.engine.get_tokenizer())
         enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP)
         enforce_context_limit(state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP)
         self.chat_serving = state.openai_serving_chat

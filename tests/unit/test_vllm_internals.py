@@ -100,3 +100,22 @@ def test_async_llm_builds_its_engine_core_client_with_the_factory_the_simulation
     source = inspect.getsource(async_llm.AsyncLLM)
     for call in ("add_request_async(", "get_output_async(", "abort_requests_async(", "resources.engine_dead"):
         assert f"engine_core.{call}" in source, call
+
+
+def test_the_guidance_plugin_is_registered_with_vllm_and_replaces_both_of_its_tokenizers() -> None:
+    """vLLM runs ``vllm.general_plugins`` entry points in each of its processes (engine core included)."""
+    from importlib.metadata import entry_points
+
+    import vllm.sampling_params
+    import vllm.v1.engine.core as engine_core_module
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+
+    [plugin] = [p for p in entry_points(group="vllm.general_plugins") if p.value.startswith("serve_app.")]
+    assert plugin.load() is vllm_internals.guidance_keeps_text_as_text
+    assert "load_general_plugins()" in inspect.getsource(engine_core_module)
+    assert isinstance(GuidanceBackend.__dict__["_build_ll_tokenizer"], staticmethod)
+    assert callable(vllm.sampling_params._get_llg_tokenizer)
+    vllm_internals.guidance_keeps_text_as_text()
+    vllm_internals.guidance_keeps_text_as_text()  # twice, as vLLM may: one wrapping, not two
+    assert getattr(GuidanceBackend._build_ll_tokenizer, "keeps_text_as_text", False)
+    assert vllm.sampling_params._get_llg_tokenizer.__module__ == "serve_app.vllm_internals"
