@@ -284,3 +284,19 @@ def test_a_burst_is_summarized_by_its_refusals_and_its_last_answer():
         "all_done_s": 44.5,
     }
     assert summarize([])["first_refusal_s"] is None
+
+
+def test_the_grammar_cost_benchmark_times_each_token_of_a_walk_with_both_backends():
+    from transformers import AutoTokenizer
+
+    from benchmarks.grammar_cost import BACKENDS, backend, walk
+    from tests.json_schemas import SCHEMAS
+
+    tiny_model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4"
+    if not (tiny_model / "tokenizer.json").exists():
+        pytest.fail(f"{tiny_model} is missing: run `make tiny-model`")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    for name in BACKENDS:
+        compiled, steps = walk(backend(name, tokenizer), SCHEMAS["enum_const"], 0, tokenizer.eos_token_id, 200)
+        # A bounded schema: the walk ends well within its 200 tokens, each one timed.
+        assert compiled > 0 and 1 < len(steps) < 200 and all(step > 0 for step in steps)
