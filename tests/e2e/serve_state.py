@@ -68,13 +68,16 @@ async def serve_deploy_settled(config: Path, dashboard_url: str, within_s: float
 
 async def only_these_settled(app_names: set[str]) -> bool:
     """Exactly these applications exist, each running its deployed config: every deployment
-    healthy, and no replica of it starting, updating or stopping."""
+    healthy, its replicas running and none starting or updating (a stopping one gets no requests)."""
     status = await asyncio.to_thread(serve.status)
     if set(status.applications) != app_names:
         return False
     return all(
         app.status == "RUNNING"
-        and all(d.status == "HEALTHY" and set(d.replica_states) == {"RUNNING"} for d in app.deployments.values())
+        and all(
+            d.status == "HEALTHY" and set(d.replica_states) - {"STOPPING"} == {"RUNNING"}
+            for d in app.deployments.values()
+        )
         for app in status.applications.values()
     )
 
