@@ -28,7 +28,7 @@ from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import BED_STALL_TIMEOUT_S, RunningApp
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import Call, channel, ends_once
-from tests.e2e.serve_state import death_reason, replica_engines, request_log_lines
+from tests.e2e.serve_state import death_reason, replica_engines, request_log_lines, single_replica
 from tests.e2e.telemetry import scrape, total
 from tests.waiting import wait_until
 
@@ -164,6 +164,21 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
     assert await death_reason(replica) == "WORKER_DIED"
 
 
+async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
+    """Start STREAMS long streams on the CPU app's one replica; SIGKILL its engine-core process
+    once the first chunk arrives; return the replica's actor id and how each stream ended."""
+    ((replica, engines),) = (await asyncio.to_thread(replica_engines, deployment)).items()
+    assert engines, "no engine process found"
+    first_chunk = asyncio.Event()
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        streams = [asyncio.create_task(stream(client, app, first_chunk)) for _ in range(STREAMS)]
+        await wait_until(first_chunk.is_set, 120, "a stream under way", every_s=0.01)
+        # That stream has 899 of its 900 tokens to go, unless delivery lags the engine.
+        for engine in engines:
+            engine.send_signal(signal.SIGKILL)
+        return replica, list(await asyncio.gather(*streams))
+
+
 async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_replica_serves(bed):
     """The engine stops producing, with no sign of life, while it holds requests. vLLM's
     ``errored`` flag stays false; the replica's watchdog notices after ``engine_stall_timeout_s``,
@@ -195,28 +210,23 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_an
     """The canary for the simulated failure: the real engine-core process is killed (SIGKILL)
     while it generates. Streams it was generating end with an ``engine_failed`` error event,
     the replica exits by itself, and a new replica answers."""
-    ((replica, engines),) = (await asyncio.to_thread(replica_engines, one_replica)).items()
-    assert engines, "no engine process found"
-    first_chunk = asyncio.Event()
-    killed_at: list[float] = []
-    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
-        streams = [asyncio.create_task(stream(client, app, first_chunk)) for _ in range(STREAMS)]
-        await wait_until(first_chunk.is_set, 120, "a stream under way", every_s=0.01)
-        # That stream has 899 of its 900 tokens to go: the engine is generating it now.
-        for engine in engines:
-            engine.send_signal(signal.SIGKILL)
-        killed_at.append(time.monotonic())
-        results = await asyncio.gather(*streams)
-    cut = 0
-    for s in results:
-        if s.complete:  # (cannot be: the engine died with 899 tokens to go; said if it happens)
-            raise AssertionError(f"a stream completed though its engine died: {s.events[-3:]}")
-        if s.status in (503, 504):  # refused before reaching the engine: retryable
-            assert s.status == 504 or s.headers["retry-after"] == "1"
-        else:
-            assert s.error is not None and s.error["code"] == "engine_failed", (s.status, s.events[-2:])
-            cut += s.status == 200
-    assert cut >= 1, [(s.status, s.events[-1:]) for s in results]
+    for attempt in (1, 2):
+        replica, results = await kill_the_engine_under_streams(app, one_replica)
+        cut = 0
+        for s in results:
+            if s.complete:  # generated in full before the kill (delivery can lag generation)
+                continue
+            if s.status in (503, 504):  # refused before reaching the engine: retryable
+                assert s.status == 504 or s.headers["retry-after"] == "1"
+            else:
+                assert s.error is not None and s.error["code"] == "engine_failed", (s.status, s.events[-2:])
+                cut += s.status == 200
+        if cut:
+            break
+        # Every stream was generated before the kill landed: nothing was cut, so nothing was
+        # shown. Once the dead engine's replica is replaced, once more.
+        assert attempt == 1, [(s.status, s.events[-1:]) for s in results]
+        await single_replica(one_replica)
     print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
     assert await death_reason(replica) == "WORKER_DIED"
