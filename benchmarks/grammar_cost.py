@@ -21,6 +21,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,31 +79,52 @@ def backend(name: str, tokenizer: Any) -> Any:
     return backend_class(vllm_config, tokenizer=tokenizer, vocab_size=len(tokenizer))
 
 
-def walk(backend: Any, schema: dict, seed: int, eos: int, longest: int) -> tuple[float, list[float]]:
-    """Compile ``schema``, then walk at random: (compile seconds, seconds per token for mask + accept)."""
+@dataclass
+class Walk:
+    """One random walk under a grammar: the tokens it took and what each step cost."""
+
+    tokens: list[int]
+    ended: bool  # the grammar let it end (else it was still going after ``longest`` tokens)
+    compile_s: float
+    step_s: list[float]  # per token: filling the mask, and accepting the token
+
+
+def allowed_tokens(bitmask: Any, vocab_size: int) -> np.ndarray:
+    """The token ids the first row of a filled bitmask allows."""
+    allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
+    return allowed[allowed < vocab_size]
+
+
+def walk(backend: Any, schema: dict | None, seed: int, eos: int, longest: int) -> Walk:
+    """Compile ``schema`` (None: ``json_object``), then take any allowed token, seeded, until it may end."""
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
     rng = random.Random(seed)
     started = time.perf_counter()
-    grammar = backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(schema))
-    compiled = time.perf_counter() - started
+    if schema is None:
+        grammar = backend.compile_grammar(StructuredOutputOptions.JSON_OBJECT, "")
+    else:
+        grammar = backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(schema))
+    done = Walk([], False, time.perf_counter() - started, [])
     bitmask = backend.allocate_token_bitmask(1)
-    steps = []
     for _ in range(longest):
         started = time.perf_counter()
         grammar.fill_bitmask(bitmask, 0)
         mask_s = time.perf_counter() - started
-        allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
-        token = int(rng.choice(allowed[allowed < backend.vocab_size]))
+        token = int(rng.choice(allowed_tokens(bitmask, backend.vocab_size)))
         if token == eos:
-            steps.append(mask_s)
-            break
+            done.step_s.append(mask_s)
+            done.ended = True
+            return done
         started = time.perf_counter()
-        grammar.accept_tokens("walk", [token])
-        steps.append(mask_s + time.perf_counter() - started)
+        if not grammar.accept_tokens("walk", [token]):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+        done.step_s.append(mask_s + time.perf_counter() - started)
+        done.tokens.append(token)
         if grammar.is_terminated():
-            break
-    return compiled, steps
+            done.ended = True
+            return done
+    return done
 
 
 def measure(name: str, tokenizer: Any, walks: int, longest: int) -> dict[str, float]:
@@ -112,9 +134,9 @@ def measure(name: str, tokenizer: Any, walks: int, longest: int) -> dict[str, fl
         for seed in range(walks):
             # A new schema text each walk, so no compile is served from a cache.
             fresh = schema | {"title": f"{schema_name}-{seed}"}
-            compiled, per_token = walk(engine, fresh, seed, tokenizer.eos_token_id, longest)
-            compiles.append(compiled)
-            steps.extend(per_token)
+            done = walk(engine, fresh, seed, tokenizer.eos_token_id, longest)
+            compiles.append(done.compile_s)
+            steps.extend(done.step_s)
     quantiles = statistics.quantiles(steps, n=100)
     return {
         "compile_ms_p50": statistics.median(compiles) * 1e3,

@@ -297,6 +297,6 @@ def test_the_grammar_cost_benchmark_times_each_token_of_a_walk_with_both_backend
         pytest.fail(f"{tiny_model} is missing: run `make tiny-model`")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     for name in BACKENDS:
-        compiled, steps = walk(backend(name, tokenizer), SCHEMAS["enum_const"], 0, tokenizer.eos_token_id, 200)
+        done = walk(backend(name, tokenizer), SCHEMAS["enum_const"], 0, tokenizer.eos_token_id, 200)
         # A bounded schema: the walk ends well within its 200 tokens, each one timed.
-        assert compiled > 0 and 1 < len(steps) < 200 and all(step > 0 for step in steps)
+        assert done.ended and done.compile_s > 0 and 1 < len(done.step_s) < 200 and all(s > 0 for s in done.step_s)

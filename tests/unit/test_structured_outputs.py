@@ -1,6 +1,8 @@
 """The grammar backend the app decodes JSON schemas with, and the one it refuses.
 
-vLLM's own backend classes compile each schema of ``tests/json_schemas.py`` for the tiny
+vLLM's own backend classes, configured as the serve configs configure the engine and with
+the app's vLLM plugin in effect (``benchmarks/grammar_cost.py``'s ``backend`` and ``walk``,
+which the grammar-cost benchmark times), compile each schema of ``tests/json_schemas.py`` for the tiny
 model's tokenizer (every byte is a token, so any string can be written), and seeded
 random walks take any token the grammar allows until it lets the answer end: with the
 backend the app runs, every finished walk is strict JSON that satisfies its schema.
@@ -11,15 +13,12 @@ A random walk is the worst a model can do under the grammar; the end-to-end test
 from __future__ import annotations
 
 import json
-import random
-import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app import vllm_internals
+from benchmarks.grammar_cost import allowed_tokens, backend, walk
 from serve_app.config import ModelConfig
 from serve_app.glm4.format import SPECIAL_TOKENS
 from serve_app.structured_outputs import GRAMMAR_BACKEND
@@ -37,55 +36,17 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(TINY_MODEL))
 
 
-def backend(name: str, tokenizer):
-    """vLLM's backend class, configured as deploy/config.cpu.yaml configures the engine, and
-    with the app's vLLM plugin in effect (as in every vLLM process of the app)."""
-    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
-
-    vllm_internals.guidance_keeps_text_as_text()
-
-    settings = types.SimpleNamespace(disable_any_whitespace=True, disable_additional_properties=True)
-    vllm_config = types.SimpleNamespace(structured_outputs_config=settings, model_config=None, speculative_config=None)
-    backend_class = {"guidance": GuidanceBackend, "xgrammar": XgrammarBackend}[name]
-    return backend_class(vllm_config, tokenizer=tokenizer, vocab_size=len(tokenizer))
-
-
-def random_walk(backend, schema: dict | None, seed: int, eos: int) -> list[int] | None:
-    """Tokens a walk took before the grammar let it end (None: still going after LONGEST_WALK)."""
-    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
-
-    rng = random.Random(seed)
-    if schema is None:
-        grammar = backend.compile_grammar(StructuredOutputOptions.JSON_OBJECT, "")
-    else:
-        grammar = backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(schema))
-    bitmask = backend.allocate_token_bitmask(1)
-    tokens: list[int] = []
-    for _ in range(LONGEST_WALK):
-        grammar.fill_bitmask(bitmask, 0)
-        allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
-        token = int(rng.choice(allowed[allowed < backend.vocab_size]))
-        if token == eos:
-            return tokens
-        assert grammar.accept_tokens("walk", [token])
-        tokens.append(token)
-        if grammar.is_terminated():
-            return tokens
-    return None
-
-
 @pytest.mark.parametrize("name", [*SCHEMAS, "json_object"])
 def test_every_answer_the_grammar_lets_end_is_json_that_satisfies_its_schema(tokenizer, name):
     schema = SCHEMAS.get(name)
     guidance = backend(GRAMMAR_BACKEND, tokenizer)
     finished = 0
     for seed in range(WALKS):
-        tokens = random_walk(guidance, schema, seed, tokenizer.eos_token_id)
-        if tokens is None:
+        done = walk(guidance, schema, seed, tokenizer.eos_token_id, LONGEST_WALK)
+        if not done.ended:
             continue
         finished += 1
-        text = tokenizer.decode(tokens)
+        text = tokenizer.decode(done.tokens)
         try:
             parse_and_check(text, schema or {"type": "object"})
         except ValueError as error:  # json's and jsonschema's errors both are
@@ -115,7 +76,7 @@ def forced_walk(backend, kind, spec: str, eos: int) -> list[int]:
     tokens: list[int] = []
     while not grammar.is_terminated() and len(tokens) < LONGEST_WALK:
         grammar.fill_bitmask(bitmask, 0)
-        allowed = np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little"))
+        allowed = allowed_tokens(bitmask, backend.vocab_size)
         if allowed[0] == eos:
             break
         assert grammar.accept_tokens("forced", [int(allowed[0])]), grammar.ll_matcher.get_error()

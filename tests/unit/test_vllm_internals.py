@@ -116,6 +116,7 @@ def test_the_guidance_plugin_is_registered_with_vllm_and_replaces_both_of_its_to
     assert isinstance(GuidanceBackend.__dict__["_build_ll_tokenizer"], staticmethod)
     assert callable(vllm.sampling_params._get_llg_tokenizer)
     vllm_internals.guidance_keeps_text_as_text()
+    build = GuidanceBackend._build_ll_tokenizer
     vllm_internals.guidance_keeps_text_as_text()  # twice, as vLLM may: one wrapping, not two
-    assert getattr(GuidanceBackend._build_ll_tokenizer, "keeps_text_as_text", False)
+    assert GuidanceBackend._build_ll_tokenizer is build and getattr(build, "keeps_text_as_text", False)
     assert vllm.sampling_params._get_llg_tokenizer.__module__ == "serve_app.vllm_internals"
