@@ -3,9 +3,10 @@
 Two more Ray nodes join the suite's cluster on this machine, standing in for two GPU
 worker pods. A third application (``drain``: the bed's application, under ``/drain``)
 puts one model replica on each: each node has one unit of a custom resource that each
-replica needs. Its 16 streams are admitted while both (simulated) engines are paused, so
-that a known share of them is held by the replica on node A when the hook
-(``python -m serve_app.node_drain``, as the pod runs it) drains node A. Serve stops
+replica needs. Its streams are admitted while both (simulated) engines are paused, one
+by one until each replica holds four, so that a known share of them is held by the
+replica on node A when the hook (``python -m serve_app.node_drain``, as the pod runs
+it) drains node A. Serve stops
 that replica gracefully. The requests sent after Serve began stopping it are all
 admitted by the other replica (read from each replica's own count while the engines are
 still paused, so nothing can leave it), then the engines resume: every stream and
@@ -47,7 +48,8 @@ from tests.e2e.simulation import SimulatedEngines
 from tests.waiting import wait_until
 
 SLOT = "drain_test_slot"  # one per extra node; each model replica of the drain app needs one
-STREAMS = 16
+HELD_EACH = 4  # streams each replica holds when node A is drained
+MAX_STREAMS = 32  # sent one by one until each holds HELD_EACH: the model's limit is 64 each
 AFTER_STOP = 8  # unary requests sent once Serve is stopping the drained node's replica
 STOP_S = 120  # the drain app's graceful_shutdown_timeout_s (= its ingress.request_timeout_s)
 GRACE_S = STOP_S + 5  # the hook's grace: Serve stops the replica at the deadline minus STOP_S
@@ -64,7 +66,7 @@ def drain_app(base: dict[str, Any]) -> dict[str, Any]:
     app = copy.deepcopy(base)
     app["name"], app["route_prefix"] = "drain", "/drain"
     (model,) = app["args"]["models"]
-    # Its 16 identical streams must be shared by both replicas: by prefix they would all go to
+    # Its identical streams must be shared by both replicas: by prefix they would all go to
     # the one holding their prompt (up to prefix_routing.max_load_gap more than the other).
     model["prefix_routing"] = {"enabled": False}
     deployment = model["deployment"]
@@ -111,16 +113,20 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
             """Requests each replica is answering (held: their engines are paused)."""
             return await ongoing_at(victim), await ongoing_at(other)
 
-        limits = httpx.Limits(max_connections=STREAMS + AFTER_STOP)
+        limits = httpx.Limits(max_connections=MAX_STREAMS + AFTER_STOP)
         async with httpx.AsyncClient(base_url=app.origin, timeout=300, limits=limits) as client:
             async with SimulatedEngines(MODEL).paused():
-                streams = [asyncio.create_task(stream(client)) for _ in range(STREAMS)]
+                streams: list[asyncio.Task[tuple[int, list[str]]]] = []
+                while min(held_by_each := await holding()) < HELD_EACH:
+                    # One at a time, each admitted before the next, so the router's choice between
+                    # two held replicas is by their counts: it shares them out as soon as it knows both.
+                    assert len(streams) < MAX_STREAMS, f"{len(streams)} streams sent, held: {held_by_each}"
+                    streams.append(asyncio.create_task(stream(client)))
 
-                async def all_streams_admitted() -> bool:
-                    at_victim, at_other = await holding()
-                    return at_victim + at_other == STREAMS and at_victim >= 4
+                    async def admitted(sent: int = len(streams)) -> bool:
+                        return sum(await holding()) == sent
 
-                await wait_until(all_streams_admitted, 30, "the streams held, 4 or more on node A")
+                    await wait_until(admitted, 30, f"stream {len(streams)} held by a replica")
                 held, held_elsewhere = await holding()
                 started = time.monotonic()
                 hook = await asyncio.create_subprocess_exec(
@@ -162,7 +168,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         assert b"no Serve actor left" in output, output.decode()
         assert (await live_replicas(MODEL)).get(victim) is None  # it left
         print(
-            f"{held} of {STREAMS} streams held by the drained node's replica ({held_elsewhere} by the other); all "
+            f"{held} of {len(streams)} streams held by the drained node's replica ({held_elsewhere} by the other); all "
             f"complete; {AFTER_STOP} later requests all went to the other; the hook returned after {took:.0f} s "
             f"of {GRACE_S}"
         )
