@@ -6,8 +6,10 @@ all start the application here. It validates the arguments, then binds one
 :class:`~serve_app.replica.deployment.ModelServer` deployment per model and the
 :class:`~serve_app.ingress.deployment.Ingress` in front of them, and, when per-key rate limits
 are configured, the :class:`~serve_app.ingress.rate_limits.RateLimiter` that every ingress
-replica asks. Settings are read in
-:mod:`serve_app.config`; they act in the deployments.
+replica asks. With ``ingress.direct_streaming``, the one model's deployment is the
+application's ingress (:class:`~serve_app.replica.front_door.DirectModelServer`) and the
+:class:`~serve_app.replica_picker.ReplicaPicker` its ingress request router. Settings are read
+in :mod:`serve_app.config`; they act in the deployments.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
-from serve_app.config import parse_app_config
+from serve_app.config import AppConfig, parse_app_config
 from serve_app.ingress.deployment import Ingress
 from serve_app.ingress.rate_limits import RateLimiter
 from serve_app.replica.deployment import ModelServer
+from serve_app.serve_internals import with_ingress_request_router
 
 
 def deployment(cls: type) -> Deployment:
@@ -29,14 +32,30 @@ def deployment(cls: type) -> Deployment:
 
 def build_app(args: dict[str, Any]) -> Application:
     config = parse_app_config(args)
+    limits = config.ingress.rate_limits
+    rate_limiter = None
+    if limits is not None:
+        rate_limiter = deployment(RateLimiter).options(name="rate-limiter", **limits.deployment).bind(limits)
+    if config.ingress.direct_streaming:
+        return direct_streaming_app(config, rate_limiter)
     handles = {
         model.name: deployment(ModelServer)
         .options(name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s))
         .bind(model)
         for model in config.models
     }
-    limits = config.ingress.rate_limits
-    rate_limiter = None
-    if limits is not None:
-        rate_limiter = deployment(RateLimiter).options(name="rate-limiter", **limits.deployment).bind(limits)
     return deployment(Ingress).options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)
+
+
+def direct_streaming_app(config: AppConfig, rate_limiter: Application | None) -> Application:
+    """The model deployment as the application's ingress, with the ReplicaPicker HAProxy asks."""
+    from serve_app.replica.front_door import DirectModelServer
+    from serve_app.replica_picker import ReplicaPicker
+
+    (model,) = config.models
+    server = (
+        deployment(DirectModelServer)
+        .options(name=model.deployment_name, **model.resolved_direct_deployment(config.ingress.request_timeout_s))
+        .bind(model, config, rate_limiter)
+    )
+    return with_ingress_request_router(server, deployment(ReplicaPicker).bind(server))

@@ -26,6 +26,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 INGRESS_MAX_QUEUED_REQUESTS = 1024
+# Direct streaming: requests a model replica takes past its generation limit (health, model list).
+DIRECT_REQUESTS_HEADROOM = 64
 
 
 class _Strict(BaseModel):
@@ -338,6 +340,27 @@ class ModelConfig(_Strict):
             )
         return options
 
+    def generation_limit(self) -> int | None:
+        """With direct streaming, most generation requests one replica holds: what it takes at once
+        and what may wait for it (None: unbounded, as Serve's max_queued_requests of -1)."""
+        options = self.resolved_deployment()
+        queued = options.get("max_queued_requests", -1)
+        return None if queued < 0 else options["max_ongoing_requests"] + queued
+
+    def resolved_direct_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
+        """Deployment options when the replicas answer clients themselves (direct streaming).
+
+        Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
+        generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the
+        :meth:`generation_limit`, which the replica's front door enforces itself
+        (:mod:`serve_app.ingress.capacity`); the engine queues past its batch.
+        """
+        options = self.resolved_deployment(longest_answer_s)
+        limit = self.generation_limit()
+        options["max_ongoing_requests"] = (limit or options["max_ongoing_requests"]) + DIRECT_REQUESTS_HEADROOM
+        options.pop("max_queued_requests", None)
+        return options
+
 
 class APIKeysConfig(_Strict):
     """Where the ingress reads its API keys; set exactly one source.
@@ -418,6 +441,14 @@ class IngressConfig(_Strict):
 
     rate_limits: RateLimitsConfig | None = Field(
         default=None, description="Per-API-key limits (429 with Retry-After past them); needs api_keys."
+    )
+
+    direct_streaming: bool = Field(
+        default=False,
+        description="Answers stream from the model replica to the client through Serve's HAProxy, not "
+        "through an ingress replica: each model replica runs this ingress's HTTP app itself, and a "
+        "replica-picker deployment chooses the replica for each request. Needs Serve's HAProxy and "
+        "exactly one model; ingress.deployment is then unused (docs/architecture.md, record 14).",
     )
 
     cors: CORSConfig | None = Field(default=None, description="Off unless set: no CORS headers are sent.")
@@ -511,6 +542,12 @@ class AppConfig(_Strict):
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         return models
+
+    @model_validator(mode="after")
+    def _direct_streaming_serves_one_model(self) -> AppConfig:
+        if self.ingress.direct_streaming and len(self.models) != 1:
+            raise ValueError("ingress.direct_streaming serves exactly one model: give each model its own application")
+        return self
 
     @model_validator(mode="after")
     def _limits_have_keys(self) -> AppConfig:

@@ -121,3 +121,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
     """The final event of a stream that failed after it started."""
     return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
+
+
+def overloaded() -> APIError:
+    """The 429 for a request that no replica can take or queue now (either path: Serve's queue is
+    full on the relay path; a model replica's own count with direct streaming)."""
+    return APIError(429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"})

@@ -21,7 +21,7 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.errors import UNAVAILABLE, APIError, sse_error_event
+from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
 from serve_app.ingress.deadlines import Deadline, DeadlineExceeded, next_before
 from serve_app.observability.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
@@ -48,7 +48,7 @@ def replica_failure(exc: BaseException) -> APIError:
     )
 
     if isinstance(exc, BackPressureError):
-        return APIError(429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"})
+        return overloaded()
     if isinstance(
         exc,
         (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError, ActorUnavailableError, RayActorError),

@@ -33,6 +33,7 @@ from starlette.routing import Route
 from serve_app.errors import UNAVAILABLE, APIError, error_body
 from serve_app.ingress.admission import Endpoint, admit_key, check_limits, default_endpoints, validated
 from serve_app.ingress.auth import APIKeyMiddleware
+from serve_app.ingress.capacity import GenerationCapacity
 from serve_app.ingress.deadlines import Deadline, requested_timeout
 from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.ingress.readiness import Readiness
@@ -191,6 +192,9 @@ def build_http_app(
     )
     if settings.api_keys is not None:
         middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
+    if settings.generation_limit is not None:  # inside API keys: a refused key takes no place
+        paths = frozenset(e.path for e in endpoints)
+        middleware.append(Middleware(GenerationCapacity, limit=settings.generation_limit, paths=paths))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve_app.config import CORSConfig
-from serve_app.ingress.auth import APIKeys
+from serve_app.config import AppConfig, CORSConfig
+from serve_app.ingress.auth import APIKeys, load_api_keys
 from serve_app.ingress.deadlines import TimeLimits
-from serve_app.ingress.rate_limits import KeyLimits
+from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
 from serve_app.observability.record import Observer, RequestObserver
 from serve_app.observability.request_log import log_request
 
@@ -34,8 +34,43 @@ class IngressSettings:
     metrics: RequestObserver | None = None
     log_requests: bool = True  # one structured line per generation request
     log_content: bool = False  # ... with the prompt and the completion in it
+    # Direct streaming: most generation requests this model replica holds, queued ones included
+    # (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
+    generation_limit: int | None = None
 
     def observers(self) -> list[Observer]:
         """Who is told of each request once it has ended: the metrics, then the log line."""
         observers: list[Observer] = [self.metrics.ended] if self.metrics is not None else []
         return observers + ([log_request] if self.log_requests else [])
+
+
+def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimits | None:
+    limits = config.ingress.rate_limits
+    if limits is None or rate_limiter is None:
+        return None
+    return KeyLimits(rate_limiter, counts_tokens=limits.tokens_per_minute is not None)
+
+
+def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> IngressSettings:
+    """The settings of the replica that answers clients (an ingress replica, or with direct
+    streaming a model replica), read from the serve config in that replica."""
+    from serve_app.ingress.admission import default_endpoints
+    from serve_app.observability.metrics import ServingMetrics
+
+    return IngressSettings(
+        max_request_body_bytes=config.ingress.max_request_body_bytes,
+        body_timeout_s=config.ingress.body_timeout_s,
+        max_n=config.ingress.max_n,
+        time_limits=TimeLimits(
+            request_timeout_s=config.ingress.request_timeout_s,
+            first_token_timeout_s=config.ingress.first_token_timeout_s,
+        ),
+        unavailable_retry_s=config.ingress.unavailable_retry_s,
+        # Read here, in the replica: the environment (or mounted file) is the node's, not the deployer's.
+        api_keys=load_api_keys(config.ingress.api_keys),
+        cors=config.ingress.cors,
+        key_limits=key_limits(config, rate_limiter),
+        metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),
+        log_requests=config.ingress.log_requests,
+        log_content=config.ingress.log_content,
+    )

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import ConfigError, parse_app_config, split_engine_args
+from serve_app.config import DIRECT_REQUESTS_HEADROOM, ConfigError, parse_app_config, split_engine_args
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED = ["config.yaml", "config.single-gpu.yaml", "config.cpu.yaml", "config.sim.yaml"]
@@ -326,3 +326,21 @@ def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
     module, _, name = path.partition(":")
     assert f"{PrefixAffinityRouter.__module__}:{PrefixAffinityRouter.__name__}" == path
     assert module == "serve_app.prefix_routing.router" and issubclass(PrefixAffinityRouter, RequestRouter), name
+
+
+def test_direct_streaming_serves_exactly_one_model():
+    two = {"models": [minimal()["models"][0], {"name": "other", "engine_args": {"model": "b", "max_num_seqs": 8}}]}
+    with pytest.raises(ConfigError, match="direct_streaming serves exactly one model"):
+        parse_app_config(two | {"ingress": {"direct_streaming": True}})
+    assert parse_app_config(minimal() | {"ingress": {"direct_streaming": True}}).ingress.direct_streaming
+
+
+def test_with_direct_streaming_the_replica_takes_past_its_generation_limit_and_enforces_the_limit_itself():
+    model = parse_app_config(minimal(deployment={"max_ongoing_requests": 4, "max_queued_requests": 6})).models[0]
+    assert model.generation_limit() == 10
+    options = model.resolved_direct_deployment()
+    assert options["max_ongoing_requests"] == 10 + DIRECT_REQUESTS_HEADROOM
+    assert "max_queued_requests" not in options
+    unbounded = parse_app_config(minimal()).models[0]  # Serve's default queue: unbounded
+    assert unbounded.generation_limit() is None
+    assert unbounded.resolved_direct_deployment()["max_ongoing_requests"] == 8 + DIRECT_REQUESTS_HEADROOM

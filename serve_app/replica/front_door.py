@@ -1,0 +1,115 @@
+"""With direct streaming, the model replica answers clients itself: the ingress's HTTP app, called locally.
+
+HAProxy forwards each request's connection to the replica the
+:class:`~serve_app.replica_picker.ReplicaPicker` chose. The replica serves the same
+Starlette app the ingress deployment serves on the relay path
+(:func:`serve_app.ingress.routes.build_http_app`: API keys, rate limits, strict
+validation, deadlines, the request log, metrics, OpenAI-shaped errors), with one
+difference: the model it routes to is this replica, called in-process
+(:class:`LocalModel`) where the ingress calls a deployment handle. Tokens then go
+from the engine to the client's socket in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+
+from serve_app.config import AppConfig, ModelConfig
+from serve_app.grpc_api.methods import GenerationMethods
+from serve_app.grpc_api.service import GenerationService
+from serve_app.ingress.admission import default_endpoints
+from serve_app.ingress.readiness import ReadinessWatch
+from serve_app.ingress.router import ModelEntry, ModelRouter
+from serve_app.ingress.routes import build_http_app
+from serve_app.ingress.settings import ingress_settings
+from serve_app.protocol import Answer, GenerationRequest
+from serve_app.replica.deployment import ModelServer
+
+GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[Answer, None]]
+
+
+class LocalAnswer:
+    """A generation running in this process, shaped as a streaming handle's response (what
+    :func:`serve_app.ingress.replica_client.call_replica` reads): iterate it, cancel it."""
+
+    def __init__(self, generator: AsyncGenerator[Answer, None]) -> None:
+        self._generator = generator
+        self._closing: asyncio.Task[None] | None = None
+
+    def __aiter__(self) -> LocalAnswer:
+        return self
+
+    async def __anext__(self) -> Answer:
+        return await anext(self._generator)
+
+    def cancel(self) -> None:
+        """Stop the generation (vLLM aborts the request as its generator closes); a no-op once it ended."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._generator.aclose())
+
+
+class LocalMethod:
+    """``handle.<method>`` of a streaming handle, for a method of this replica."""
+
+    def __init__(self, method: GenerationMethod) -> None:
+        self._method = method
+
+    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> LocalAnswer:
+        return LocalAnswer(self._method(payload, trace_context))
+
+
+class LocalModel:
+    """This replica as the ingress's routes call a model: ``chat`` and ``completion``, answered here."""
+
+    def __init__(self, chat: GenerationMethod, completion: GenerationMethod) -> None:
+        self.chat = LocalMethod(chat)
+        self.completion = LocalMethod(completion)
+
+    def options(self, **_: Any) -> LocalModel:
+        return self
+
+
+@serve.deployment(health_check_period_s=2, health_check_timeout_s=30)  # as ModelServer
+@serve.ingress()
+class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: ignore[name-defined]
+    """A model replica that also answers clients: ModelServer behind the ingress's HTTP app."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits it
+        self, model: ModelConfig, config: AppConfig, rate_limiter: DeploymentHandle | None = None
+    ) -> None:
+        await super().__init__(model)
+        self.front_router = ModelRouter(
+            {
+                model.name: ModelEntry(
+                    model.name,
+                    LocalModel(self.chat, self.completion),
+                    model.engine_args.get("max_model_len"),
+                    model.max_output_tokens,
+                    simulated=model.simulated_engine is not None,
+                )
+            }
+        )
+        self.settings = replace(
+            ingress_settings(config, rate_limiter),
+            generation_limit=model.generation_limit(),
+            # Sending a request again only reaches this replica again: a dead engine's replica
+            # answers 503 `unavailable` (with Retry-After) at once, before it leaves.
+            unavailable_retry_s=0.0,
+        )
+        self.readiness = ReadinessWatch(
+            serve.status,
+            serve.get_replica_context().app_name,
+            {model.name: model.deployment_name},
+            max_age_s=config.ingress.health_max_age_s,
+        )
+        self.grpc = GenerationService(self.front_router, self.settings, default_endpoints(), self.readiness)
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return build_http_app(self.front_router, self.settings, self.readiness)

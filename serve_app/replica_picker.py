@@ -1,0 +1,78 @@
+"""ReplicaPicker: with direct streaming, the deployment HAProxy asks which model replica takes a request.
+
+For each generation request, Serve's HAProxy posts the request's body to one
+ReplicaPicker replica (``/internal/route``, round robin over them), then forwards
+the client's connection to the model replica it names; the answer streams from that
+replica to HAProxy to the client and never passes through here. The pick is the
+model deployment's own request router (prefix-aware routing when the model turns it
+on, else Serve's power of two choices), run here as it runs in the ingress on the
+relay path.
+
+It refuses nothing: HAProxy turns any answer but 200 into its own 503 page, which is
+not an OpenAI error. A body that is not JSON, or names no prompt, is routed by load,
+and the chosen replica's front door gives the client its 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serve_app.serve_internals import ROUTE_PATH, pick_replica
+
+logger = logging.getLogger("ray.serve")
+
+
+def routing_request(body: bytes) -> tuple[str, Any] | None:
+    """The replica method a body is for and what the request router reads of it; None to route by load.
+
+    The router reads a chat's ``messages``, ``tools``, ``tool_choice`` and template
+    arguments, or a completion's ``prompt`` (:mod:`serve_app.prefix_routing.prompt_text`),
+    as attributes: the parsed body, not yet validated, offers them as a namespace.
+    """
+    try:
+        fields = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    if isinstance(fields.get("messages"), list):
+        chat = {"tools": None, "tool_choice": None, "chat_template_kwargs": None, "add_generation_prompt": True}
+        return "chat", SimpleNamespace(**(chat | fields))
+    if "prompt" in fields:
+        return "completion", SimpleNamespace(**fields)
+    return None
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    # On every request's path: it must never be what holds requests back.
+    max_ongoing_requests=1000,
+)
+@serve.ingress()
+class ReplicaPicker:
+    """Names the model replica for each request HAProxy asks about."""
+
+    def __init__(self, model: DeploymentHandle) -> None:
+        self.model = model
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
+
+    async def route(self, request: Request) -> Response:
+        parsed = routing_request(await request.body())
+        if parsed is None:
+            endpoint = await pick_replica(self.model.options(method_name="chat"))
+        else:
+            method, routing_args = parsed
+            endpoint = await pick_replica(self.model.options(method_name=method), routing_args)
+        return JSONResponse({"host": endpoint.host, "port": endpoint.port, "replica_id": endpoint.replica_id})

@@ -1,0 +1,57 @@
+"""Every place the app reaches into Ray Serve past its public API, in one module.
+
+Direct streaming rests on Serve's *ingress request router*: an application's
+ingress deployment is given a peer deployment that Serve's HAProxy asks, for each
+request, which replica of the ingress should answer it; HAProxy then forwards the
+client's connection to that replica's own HTTP port. Ray Serve LLM's direct
+streaming is built on it, and Ray marks it internal and unstable. Each touch is a
+function here, named for what it does, so a Ray upgrade has one module to review;
+``tests/unit/test_serve_internals.py`` fails on any Ray version other than
+:data:`WRITTEN_AGAINST` and checks that every name used here still exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+WRITTEN_AGAINST = "2.60.0"
+
+# What the router answers HAProxy's Lua action (ray/serve/_private/ingress_request_router.lua.tmpl):
+# a flat JSON object whose "replica_id" names the replica; headers under this field are set
+# on the request HAProxy forwards.
+ROUTE_PATH = "/internal/route"
+REQUEST_HEADERS_FIELD = "request_headers"
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    """Where HAProxy sends a request: a replica's own HTTP server, and the id HAProxy knows it by."""
+
+    host: str
+    port: int
+    replica_id: str
+
+
+def with_ingress_request_router(ingress: Application, router: Application) -> Application:
+    """``ingress`` with ``router`` as its ingress request router (Serve needs HAProxy on for it)."""
+    return ingress._with_ingress_request_router(router)
+
+
+async def pick_replica(handle: DeploymentHandle, *routing_args: Any) -> ReplicaEndpoint:
+    """Run the deployment's request router for a request and name the replica it picks.
+
+    Nothing is sent to the replica: HAProxy sends the request itself. No slot is
+    reserved on the replica either (``_reserve=False``, as Ray Serve LLM's router
+    does): the request reaches the replica over HTTP, where Serve counts it.
+    """
+    async with handle.choose_replica(*routing_args, _reserve=False) as selection:
+        replica = selection._replica
+        endpoint = replica.backend_http_endpoint
+        if endpoint is None:
+            raise RuntimeError(f"replica {selection.replica_id} has no HTTP server of its own")
+        host, port = endpoint
+        return ReplicaEndpoint(host, port, replica.replica_id.to_full_id_str())

@@ -1,0 +1,155 @@
+"""Direct streaming on the bed's cluster: the model replica answers clients, through Serve's HAProxy.
+
+A third application (``direct``: the bed's application with ``ingress.direct_streaming``,
+under ``/direct``) has no ingress deployment at all: its model deployment is the
+application's ingress and the ReplicaPicker is its ingress request router, so every
+answer here was streamed by a model replica to HAProxy and every POST was routed by the
+picker (HAProxy answers its own 503 page when the picker does not name a replica).
+The replica's front door is the ingress's HTTP app, so what it holds requests to is
+checked here as it is on the relay path: the answers, the errors, the model list,
+``/health``, the gRPC API, and its own queue bound (429 past it, while ``/health``
+still answers: it never waits behind generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from ray import serve
+
+from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from tests.e2e.apps import RunningApp, application
+from tests.e2e.bodies import LONG, chat, grpc_chat
+from tests.e2e.grpc_calls import call, channel
+from tests.e2e.serve_state import DeploymentName, in_flight, running, serve_deploy, serve_deploy_settled
+from tests.e2e.simulation import SimulatedEngines
+from tests.e2e.sse import post_stream
+from tests.waiting import wait_until
+
+NAME, ROUTE = "direct", "/direct"
+MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
+TAKES, QUEUES = 2, 2  # the direct app's max_ongoing_requests and max_queued_requests: 4 requests at most
+
+
+def direct_app(base: dict[str, Any]) -> dict[str, Any]:
+    """The bed's application under another name and route, answering clients from its model replica."""
+    app = copy.deepcopy(base)
+    app["name"], app["route_prefix"] = NAME, ROUTE
+    app["args"]["ingress"]["direct_streaming"] = True
+    (model,) = app["args"]["models"]
+    model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
+    return app
+
+
+@pytest.fixture(scope="module")
+async def direct(
+    sim_app: RunningApp, cluster: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[RunningApp]:
+    config = yaml.safe_load(sim_app.config_path.read_text())
+    config["applications"].append(direct_app(application(config, sim_app.name)))
+    path = tmp_path_factory.mktemp("direct") / "with-direct-app.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    try:
+        await serve_deploy(path, cluster)
+        await wait_until(lambda: running(MODEL, 1), 120, "the direct app's model replica running")
+        app = RunningApp(
+            NAME,
+            sim_app.origin,
+            ROUTE,
+            sim_app.grpc_target,
+            sim_app.model,
+            sim_app.model_path,
+            sim_app.log_path,
+            path,
+        )
+        await wait_until(lambda: _healthy(app), 60, "the direct app answering /health")
+        yield app
+    finally:
+        await serve_deploy_settled(sim_app.config_path, cluster)  # the direct app goes
+
+
+async def _healthy(app: RunningApp) -> bool:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return (await client.get(f"{app.url}/health")).status_code == 200
+
+
+async def test_the_model_replica_is_the_applications_ingress_and_nothing_relays(direct: RunningApp) -> None:
+    status = await asyncio.to_thread(serve.status)
+    deployments = status.applications[NAME].deployments
+    assert set(deployments) == {MODEL.deployment_name, "ReplicaPicker"}, set(deployments)
+
+
+async def test_streams_and_whole_answers_come_from_the_model_replica(direct: RunningApp) -> None:
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        stream = await post_stream(client, "/v1/chat/completions", chat(direct.model, 16, stream=True))
+        assert stream.status == 200 and stream.done, stream.events[-3:]
+        text = [c["choices"][0]["delta"].get("content", "") for c in stream.chunks if c.get("choices")]
+        assert stream.chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert not any("usage" in chunk for chunk in stream.chunks)  # not asked for
+        assert "".join(text)
+        whole = await client.post("/v1/completions", json={"model": direct.model, "prompt": "Once", "max_tokens": 8})
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["usage"]["completion_tokens"] == 8
+        models = await client.get("/v1/models")
+        assert [m["id"] for m in models.json()["data"]] == [direct.model]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "names"),
+    [
+        (b"not json", 400, "not valid JSON"),
+        (json.dumps({"model": "nobody", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "nobody"),
+        (
+            json.dumps(
+                {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}
+            ).encode(),
+            400,
+            "max_tokens",
+        ),
+    ],
+)
+async def test_bad_requests_get_the_openai_error_that_names_the_problem(
+    direct: RunningApp, body: bytes, status: int, names: str
+) -> None:
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        response = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert names in error["message"] or error["param"] == names, error
+
+
+async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp) -> None:
+    async with channel(direct) as grpc_channel:
+        result = await call(pb_grpc.GenerationStub(grpc_channel).ChatCompletion, grpc_chat(direct.model, 8), timeout=60)
+    assert result.code.name == "OK", result.details
+    assert result.final.final and result.final.usage.completion_tokens == 8
+
+
+async def test_past_its_queue_a_replica_answers_429_and_health_still_answers(direct: RunningApp) -> None:
+    limit = TAKES + QUEUES
+    async with httpx.AsyncClient(base_url=direct.url, timeout=120) as client:
+        async with SimulatedEngines(MODEL).paused():
+            held = [
+                asyncio.create_task(client.post("/v1/chat/completions", json=chat(direct.model, LONG)))
+                for _ in range(limit)
+            ]
+
+            async def all_held() -> bool:
+                return await in_flight(MODEL) == limit
+
+            await wait_until(all_held, 30, f"{limit} requests held by the paused engine")
+            refused = await client.post("/v1/chat/completions", json=chat(direct.model, 4))
+            health = await client.get("/health")
+        answers = await asyncio.gather(*held)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert health.status_code == 200, health.text
+    assert [a.status_code for a in answers] == [200] * limit, [a.text for a in answers]

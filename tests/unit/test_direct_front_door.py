@@ -1,0 +1,92 @@
+"""A model replica's own front door (direct streaming): its queue bound, and its calls to itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+from serve_app.ingress.capacity import GenerationCapacity
+from serve_app.replica.front_door import LocalModel
+
+
+def held_app(release: asyncio.Event, entered: list[str], limit: int) -> Starlette:
+    async def generate(request: Request) -> Response:
+        entered.append("generation")
+        await release.wait()
+        return JSONResponse({"ok": True})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    routes = [Route("/v1/chat/completions", generate, methods=["POST"]), Route("/health", health)]
+    capacity = Middleware(GenerationCapacity, limit=limit, paths=frozenset({"/v1/chat/completions"}))
+    return Starlette(routes=routes, middleware=[capacity])
+
+
+async def test_past_its_limit_a_generation_request_gets_the_overloaded_429_and_others_pass() -> None:
+    import httpx
+
+    release, entered = asyncio.Event(), list[str]()
+    app = held_app(release, entered, limit=2)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
+        held = [asyncio.create_task(client.post("/v1/chat/completions", json={})) for _ in range(2)]
+        while len(entered) < 2:
+            await asyncio.sleep(0)
+        refused = await client.post("/v1/chat/completions", json={})
+        health = await client.get("/health")
+        release.set()
+        answers = await asyncio.gather(*held)
+        after = await client.post("/v1/chat/completions", json={})  # the places are free again
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"] == {
+        "message": "the model is overloaded; retry shortly",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "overloaded",
+    }
+    assert health.status_code == 200
+    assert [a.status_code for a in answers] == [200, 200] and after.status_code == 200
+
+
+def test_a_get_or_another_path_never_takes_a_place() -> None:
+    release, entered = asyncio.Event(), list[str]()
+    release.set()
+    client = TestClient(held_app(release, entered, limit=0))
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/chat/completions", json={}).status_code == 429
+
+
+REQUEST = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_a_local_call_streams_the_replicas_answer_and_cancelling_it_closes_the_generation() -> None:
+    closed = asyncio.Event()
+    seen: list[tuple[object, object]] = []
+
+    async def chat(payload: object, trace_context: dict[str, str] | None) -> AsyncGenerator[str, None]:
+        seen.append((payload, trace_context))
+        try:
+            for chunk in ("data: 1\n\n", "data: 2\n\n", "data: 3\n\n"):
+                yield chunk
+        finally:
+            closed.set()
+
+    async def completion(payload: object, trace_context: dict[str, str] | None) -> AsyncGenerator[str, None]:
+        yield "unused"
+
+    model = LocalModel(chat, completion)
+    assert model.options(stream=True) is model  # as a streaming handle is made
+    answer = model.chat.remote(REQUEST, {"traceparent": "t"})
+    assert await anext(answer) == "data: 1\n\n"
+    answer.cancel()
+    await asyncio.wait_for(closed.wait(), 5)
+    assert seen == [(REQUEST, {"traceparent": "t"})]
+    answer.cancel()  # twice is harmless

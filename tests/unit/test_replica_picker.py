@@ -1,0 +1,63 @@
+"""What the replica picker reads of a body HAProxy forwards, and what it routes by load."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from serve_app.prefix_routing.prompt_text import PromptRenderer
+from serve_app.replica_picker import routing_request as read_routing_request
+
+
+def routing_request(body: bytes) -> tuple[str, Any]:
+    """The method and request the picker routes by; fails the test if it would route by load."""
+    parsed = read_routing_request(body)
+    assert parsed is not None
+    return parsed
+
+
+def rendered(request: Any) -> str:
+    prompt = PromptRenderer(TEMPLATE).render(request)
+    assert prompt is not None
+    return prompt.text
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}"
+)
+
+
+def test_a_chat_body_is_routed_as_a_chat_with_the_fields_the_prefix_router_renders() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    method, request = routing_request(json.dumps(body).encode())
+    assert method == "chat"
+    # The prefix router renders it as it renders a validated request.
+    assert rendered(request) == "<|user|>hi<|a|>"
+
+
+def test_a_chat_bodys_own_template_arguments_and_tools_are_kept() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+        "add_generation_prompt": False,
+    }
+    _, request = routing_request(json.dumps(body).encode())
+    assert request.tool_choice == "none" and request.add_generation_prompt is False
+    assert rendered(request) == "<|user|>hi"
+
+
+def test_a_completion_body_is_routed_as_a_completion() -> None:
+    method, request = routing_request(b'{"model": "m", "prompt": "Once upon"}')
+    assert method == "completion"
+    assert rendered(request) == "Once upon"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"not json", b"[1, 2]", b'"text"', b'{"model": "m"}', b'{"messages": "not a list"}', b"\xff\xfe"],
+)
+def test_a_body_with_no_prompt_to_read_is_routed_by_load(body: bytes) -> None:
+    assert read_routing_request(body) is None

@@ -1,0 +1,48 @@
+"""The Ray Serve internals the app touches exist in the installed Ray, and that Ray is the one they were read in.
+
+An upgrade of Ray fails the first test on purpose: review each function of
+``serve_app/serve_internals.py`` against the new version's source (and HAProxy's
+Lua action, ``ray/serve/_private/ingress_request_router.lua.tmpl``), then move
+``WRITTEN_AGAINST``. The other tests say which touch broke when a name moved.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import ray
+from ray.serve import Application
+from ray.serve._private import constants
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve.handle import DeploymentHandle
+
+from serve_app import serve_internals
+
+
+def test_the_installed_ray_is_the_one_the_internals_were_written_against() -> None:
+    assert ray.__version__ == serve_internals.WRITTEN_AGAINST, (
+        f"Ray {ray.__version__} is installed; serve_app/serve_internals.py was written against "
+        f"{serve_internals.WRITTEN_AGAINST}: check each of its touches, then update WRITTEN_AGAINST"
+    )
+
+
+def test_an_application_takes_an_ingress_request_router() -> None:
+    assert callable(Application._with_ingress_request_router)
+    assert "self._ingress_request_router" in inspect.getsource(Application._with_ingress_request_router)
+
+
+def test_a_handle_chooses_a_replica_without_reserving_it_and_the_replica_names_its_http_server() -> None:
+    from ray.serve._private.router import AsyncioRouter
+
+    assert "_reserve" in inspect.getsource(AsyncioRouter)
+    assert callable(DeploymentHandle.choose_replica)
+    assert isinstance(inspect.getattr_static(RunningReplica, "backend_http_endpoint"), property)
+
+
+def test_haproxys_lua_action_posts_to_the_route_path_and_reads_the_fields_the_picker_answers() -> None:
+    lua = (Path(constants.__file__).parent / "ingress_request_router.lua.tmpl").read_text()
+    assert f"POST {serve_internals.ROUTE_PATH} HTTP" in lua
+    assert '"replica_id"' in lua
+    assert f'"{serve_internals.REQUEST_HEADERS_FIELD}"' in lua
+    assert constants.RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD == serve_internals.REQUEST_HEADERS_FIELD
