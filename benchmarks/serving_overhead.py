@@ -37,6 +37,7 @@ import yaml
 
 from benchmarks.client import Workload
 from benchmarks.load import ClientPool, Load, client_pool, run_load
+from benchmarks.ray_serve_llm import ray_serve_llm_direct
 from benchmarks.records import record_dict, summarize
 from benchmarks.servers import ServerCommand, app_entry, running, simulated_vllm, this_app
 from serve_app.config import SimulatedEngineConfig
@@ -51,6 +52,8 @@ def process_role(process: psutil.Process) -> str:
     if "benchmarks.vllm_frontend" in command:
         return "vLLM front end + engine"
     if "ServeReplica" in command:
+        if ":ReplicaPicker" in command or ":LLMRouter" in command:  # direct streaming: HAProxy asks it
+            return "replica picker"
         return "ingress replica" if ":Ingress" in command else "model replica"
     if "ProxyActor" in command:
         return "Serve proxy"
@@ -217,12 +220,39 @@ def goals(vllm: dict[str, Any], app: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def direct_streaming_goals(vllm: dict[str, Any], app: dict[str, Any], rsl: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 39's goals: this app against vLLM's front end and Ray Serve LLM's direct streaming (``rsl``).
+
+    Rows as :func:`goals` makes them, with the compared side's figure under ``vllm`` or ``rsl``.
+    """
+    rows: list[dict[str, Any]] = []
+
+    def add(goal: str, side: str, theirs: float, ours: float, compared: float, target: str, met: bool) -> None:
+        rows.append({"goal": goal, side: theirs, "app": ours, "compared": compared, "target": target, "met": met})
+
+    v, a = level_at(vllm, 1)["ttft_ms"]["p50"], level_at(app, 1)["ttft_ms"]["p50"]
+    add("TTFT p50 at 1 stream (ms)", "vllm", v, a, a - v, "app <= vLLM + 3 ms", a - v <= 3)
+    levels = {lv["load"]["concurrency"] for lv in app["levels"]}
+    for streams in sorted(levels & {64, 256}):
+        a = level_at(app, streams)["server_cpu_s_per_1k_tokens"]
+        r = level_at(rsl, streams)["server_cpu_s_per_1k_tokens"]
+        v = level_at(vllm, streams)["server_cpu_s_per_1k_tokens"]
+        add(f"CPU s per 1k tokens at {streams}", "rsl", r, a, a / r, "app <= 0.9 x RSL direct", a <= 0.9 * r)
+        add(f"CPU s per 1k tokens at {streams}", "vllm", v, a, a / v, "app <= 2.5 x vLLM", a <= 2.5 * v)
+        a, r = level_at(app, streams)["share_of_allowed"], level_at(rsl, streams)["share_of_allowed"]
+        add(f"share of the timing model at {streams}", "rsl", r, a, a - r, "app >= RSL direct", a >= r)
+    return rows
+
+
 def print_goals(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'goal':<44} {'vLLM':>9} {'app':>9} {'compared':>9}  {'target':<20} met")
+    """One line per goal: the compared side (vLLM's front end, or Ray Serve LLM direct: RSL) and this app."""
+    print(f"\n{'goal':<44} {'side':>5} {'theirs':>9} {'app':>9} {'compared':>9}  {'target':<24} met")
     for row in rows:
+        side = "vLLM" if "vllm" in row else "RSL"
+        theirs = row.get("vllm", row.get("rsl"))
         print(
-            f"{row['goal']:<44} {row['vllm']:>9.3f} {row['app']:>9.3f} {row['compared']:>9.3f}  {row['target']:<20} "
-            f"{'yes' if row['met'] else 'NO'}"
+            f"{row['goal']:<44} {side:>5} {theirs:>9.3f} {row['app']:>9.3f} {row['compared']:>9.3f}  "
+            f"{row['target']:<24} {'yes' if row['met'] else 'NO'}"
         )
 
 
@@ -278,6 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="measure this app over each, one after the other (gRPC: app-grpc.json; compare on --endpoint chat)",
     )
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument(
+        "--ray-serve-llm",
+        action="store_true",
+        help="also measure Ray Serve LLM's direct streaming on the same simulated engine, after this app "
+        "(ray-serve-llm.json, and issue 39's goals against it)",
+    )
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     _, entry = app_entry(config, None)
@@ -309,16 +345,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vllm = measure(simulated_vllm(config, None, workdir, REPO), workload, loads, logs / "vllm.log", allowed)["http"]
         print_levels("vLLM's front end", vllm)
         app = measure(app_server, workload, loads, logs / "app.log", allowed)["http"]
-        print_levels("this app (one model replica, one ingress replica)", app)
-    rows = goals(vllm, app)
+        print_levels("this app (one model replica)", app)
+        rsl = None
+        if args.ray_serve_llm:
+            rsl_server = ray_serve_llm_direct(config, None, workdir, REPO)
+            rsl = measure(rsl_server, workload, loads, logs / "ray-serve-llm.log", allowed)["http"]
+            print_levels("Ray Serve LLM, direct streaming", rsl)
+    rows = goals(vllm, app) if any(lv["load"]["concurrency"] == 16 for lv in app["levels"]) else []
+    direct_rows = direct_streaming_goals(vllm, app, rsl) if rsl is not None else []
     print_levels("vLLM's front end", vllm)
-    print_goals(rows)
+    print_goals(rows + direct_rows)
     if args.out_dir:
         (args.out_dir / "vllm.json").write_text(json.dumps(vllm, indent=1))
         (args.out_dir / "app.json").write_text(json.dumps(app, indent=1))
-        (args.out_dir / "goals.json").write_text(json.dumps({"config": str(args.config), "goals": rows}, indent=1))
+        if rsl is not None:
+            (args.out_dir / "ray-serve-llm.json").write_text(json.dumps(rsl, indent=1))
+        all_goals = {"config": str(args.config), "goals": rows + direct_rows}
+        (args.out_dir / "goals.json").write_text(json.dumps(all_goals, indent=1))
         plot(vllm, app, args.out_dir / "overhead.png")
-    return {"vllm": vllm, "app": app, "goals": rows}
+    return {"vllm": vllm, "app": app, "ray_serve_llm": rsl, "goals": rows + direct_rows}
 
 
 if __name__ == "__main__":

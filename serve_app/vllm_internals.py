@@ -55,14 +55,13 @@ def fail_engine_requests(engine: Any, error: Exception) -> None:
     engine.output_processor.propagate_error(error)
 
 
-@contextlib.contextmanager
-def engine_core_replaced(make_core: Callable[[Any, Any], Any]) -> Iterator[None]:
-    """While inside, every ``AsyncLLM`` built talks to ``make_core(vllm_config, renderer)``
-    instead of starting vLLM's engine-core process.
+def replace_engine_core(make_core: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """From now on, every ``AsyncLLM`` built talks to ``make_core(vllm_config, renderer)`` instead
+    of starting vLLM's engine-core process; returns what puts vLLM's factory back.
 
     ``AsyncLLM`` builds its engine-core client with
     ``EngineCoreClient.make_async_mp_client``; no argument supplies another client,
-    so that factory is replaced (process-wide) and restored on leaving.
+    so that factory is replaced (process-wide).
     """
     from vllm.v1.engine.core_client import EngineCoreClient
 
@@ -71,10 +70,22 @@ def engine_core_replaced(make_core: Callable[[Any, Any], Any]) -> Iterator[None]
 
     factory = EngineCoreClient.__dict__["make_async_mp_client"]
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)
+
+    def restore() -> None:
+        EngineCoreClient.make_async_mp_client = factory
+
+    return restore
+
+
+@contextlib.contextmanager
+def engine_core_replaced(make_core: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """While inside, every ``AsyncLLM`` built talks to ``make_core(vllm_config, renderer)``
+    (:func:`replace_engine_core`); vLLM's factory is restored on leaving."""
+    restore = replace_engine_core(make_core)
     try:
         yield
     finally:
-        EngineCoreClient.make_async_mp_client = factory
+        restore()
 
 
 def async_llm_on_core(vllm_config: Any, make_core: Callable[[Any, Any], Any], **async_llm_args: Any) -> Any:

@@ -221,6 +221,55 @@ def test_the_overhead_goals_compare_both_sides():
     assert rows[0]["compared"] == 4 and rows[2]["compared"] == 2
 
 
+def test_the_direct_streaming_goals_compare_against_both_other_sides():
+    from benchmarks.serving_overhead import direct_streaming_goals
+
+    def side(ttft: float, cpu: float, share: float) -> dict:
+        return {
+            "levels": [
+                {
+                    "load": {"concurrency": c},
+                    "ttft_ms": {"p50": ttft},
+                    "server_cpu_s_per_1k_tokens": cpu,
+                    "share_of_allowed": share,
+                }
+                for c in (1, 64, 256)
+            ]
+        }
+
+    vllm, app, rsl = side(10, 0.03, 0.8), side(12.5, 0.06, 0.77), side(13.4, 0.1, 0.75)
+    rows = direct_streaming_goals(vllm, app, rsl)
+    assert [(row["goal"], "rsl" in row, row["met"]) for row in rows] == [
+        ("TTFT p50 at 1 stream (ms)", False, True),
+        ("CPU s per 1k tokens at 64", True, True),
+        ("CPU s per 1k tokens at 64", False, True),
+        ("share of the timing model at 64", True, True),
+        ("CPU s per 1k tokens at 256", True, True),
+        ("CPU s per 1k tokens at 256", False, True),
+        ("share of the timing model at 256", True, True),
+    ]
+    assert rows[0]["compared"] == 2.5 and rows[1]["compared"] == 0.6
+    assert not direct_streaming_goals(vllm, side(14, 0.095, 0.7), rsl)[1]["met"]  # 0.95x is not 0.9x
+
+
+def test_ray_serve_llm_gets_the_models_engine_arguments_and_the_simulated_engine_hook():
+    from benchmarks.ray_serve_llm import HOOK, SETTINGS_ENV, SETUP_HOOK_ENV, llm_config
+
+    entry = {
+        "name": "glm-4-9b-chat",
+        "engine_args": {"model": "models/tiny-glm4", "max_num_seqs": 64, "enable_prompt_tokens_details": True},
+        "simulated_engine": {"load_s": 30},
+    }
+    config = llm_config(entry, REPO)
+    assert config["model_loading_config"] == {
+        "model_id": "glm-4-9b-chat",
+        "model_source": str(REPO / "models/tiny-glm4"),
+    }
+    assert config["engine_kwargs"] == {"max_num_seqs": 64}  # vLLM's front-end arguments are not engine arguments
+    env = config["runtime_env"]["env_vars"]
+    assert env[SETUP_HOOK_ENV] == HOOK and json.loads(env[SETTINGS_ENV]) == {"load_s": 0}
+
+
 def test_the_scale_ramp_goes_up_holds_and_comes_down():
     from benchmarks.scale import users_at
 
