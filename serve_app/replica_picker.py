@@ -63,7 +63,8 @@ class ReplicaPicker:
     """Names the model replica for each request HAProxy asks about."""
 
     def __init__(self, model: DeploymentHandle) -> None:
-        self.model = model
+        # One handle per generation method, made once: the router keys prefixes by method.
+        self.handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
@@ -71,8 +72,8 @@ class ReplicaPicker:
     async def route(self, request: Request) -> Response:
         parsed = routing_request(await request.body())
         if parsed is None:
-            endpoint = await pick_replica(self.model.options(method_name="chat"))
+            endpoint = await pick_replica(self.handles["chat"])
         else:
             method, routing_args = parsed
-            endpoint = await pick_replica(self.model.options(method_name=method), routing_args)
+            endpoint = await pick_replica(self.handles[method], routing_args)
         return JSONResponse({"host": endpoint.host, "port": endpoint.port, "replica_id": endpoint.replica_id})

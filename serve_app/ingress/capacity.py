@@ -6,7 +6,7 @@ the ingress answers 429 (``overloaded``). With direct streaming a request is at 
 replica as soon as HAProxy forwards it, and Serve's own limit there would hold
 ``/health`` behind generation and answer past its queue with a plain-text status.
 So the replica's Serve limit is raised past what it generates (see
-:meth:`serve_app.config.ModelConfig.resolved_deployment`), and this middleware keeps
+:meth:`serve_app.config.ModelConfig.resolved_direct_deployment`), and this middleware keeps
 the count Serve kept: generation requests in this replica, at most ``limit`` (the
 configured ``max_ongoing_requests`` plus ``max_queued_requests``); past it, the same
 429 the relay path answers. Requests over the engine's batch wait in vLLM's own queue.
