@@ -43,6 +43,9 @@ from benchmarks.servers import ServerCommand, app_entry, running, simulated_vllm
 from serve_app.config import SimulatedEngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
+# Requests per level, at least: one stream's first-token p50 is held to goals of a few ms,
+# which 16 samples could not resolve on this shared machine.
+MIN_REQUESTS = 64
 VLLM, APP = "vllm", "app"
 
 
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--input-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--requests", type=int, help="per level (default: 2 x concurrency, at least 16)")
+    parser.add_argument("--requests", type=int, help=f"per level (default: 2 x concurrency, at least {MIN_REQUESTS})")
     parser.add_argument("--out-dir", type=Path, help="write vllm.json, app.json, goals.json and overhead.png here")
     parser.add_argument(
         "--app-only", action="store_true", help="measure this app alone (trying a setting): no vLLM side, no goals"
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_num_seqs = entry["engine_args"]["max_num_seqs"]
     workload = Workload(entry["name"], args.input_tokens, args.output_tokens, args.endpoint)
     protocols = tuple(args.app_protocols)
-    loads = [Load(requests=args.requests or max(16, 2 * c), concurrency=c) for c in args.concurrency]
+    loads = [Load(requests=args.requests or max(MIN_REQUESTS, 2 * c), concurrency=c) for c in args.concurrency]
 
     def allowed(streams: int) -> float:
         return allowed_tokens_per_s(settings, max_num_seqs, streams, workload)
