@@ -9,8 +9,8 @@ on, else Serve's power of two choices), run here as it runs in the ingress on th
 relay path.
 
 It refuses nothing: HAProxy turns any answer but 200 into its own 503 page, which is
-not an OpenAI error. A body that is not JSON, or names no prompt, is routed by load,
-and the chosen replica's front door gives the client its 4xx.
+not an OpenAI error. A body that is not JSON (or nests too deep to parse), or names no
+prompt, is routed by load, and the chosen replica's front door gives the client its 4xx.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     """
     try:
         fields = json.loads(body) if body else None
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth: hostile, the replica's 400)
         return None
     if not isinstance(fields, dict):
         return None

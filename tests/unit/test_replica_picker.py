@@ -57,7 +57,22 @@ def test_a_completion_body_is_routed_as_a_completion() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"", b"not json", b"[1, 2]", b'"text"', b'{"model": "m"}', b'{"messages": "not a list"}', b"\xff\xfe"],
+    [
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'"text"',
+        b'{"model": "m"}',
+        b'{"messages": "not a list"}',
+        b"\xff\xfe",
+        # Nested past the parser's recursion limit (RecursionError, not ValueError): the
+        # hostile-body case the replica answers with a 400.
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}",
+    ],
+    ids=["empty", "not json", "a list", "a string", "no prompt", "messages not a list", "not utf-8", "too deep"],
 )
 def test_a_body_with_no_prompt_to_read_is_routed_by_load(body: bytes) -> None:
     assert read_routing_request(body) is None
