@@ -12,8 +12,9 @@ function here, named for what it does, so a Ray upgrade has one module to review
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -41,17 +42,40 @@ def with_ingress_request_router(ingress: Application, router: Application) -> Ap
     return ingress._with_ingress_request_router(router)
 
 
+@runtime_checkable
+class PickListener(Protocol):
+    """A request router that wants to know the replica picked for a request nobody dispatches
+    (:meth:`serve_app.prefix_routing.router.PrefixAffinityRouter.on_replica_picked`)."""
+
+    def on_replica_picked(self, internal_request_id: str, replica_id: Any) -> None: ...
+
+
 async def pick_replica(handle: DeploymentHandle, *routing_args: Any) -> ReplicaEndpoint:
     """Run the deployment's request router for a request and name the replica it picks.
 
     Nothing is sent to the replica: HAProxy sends the request itself. No slot is
     reserved on the replica either (``_reserve=False``, as Ray Serve LLM's router
-    does): the request reaches the replica over HTTP, where Serve counts it.
+    does): the request reaches the replica over HTTP, where Serve counts it. Serve
+    tells a request router of a request only when it dispatches one
+    (``on_request_routed``), so a router that learns from its picks is told here.
     """
     async with handle.choose_replica(*routing_args, _reserve=False) as selection:
         replica = selection._replica
         endpoint = replica.backend_http_endpoint
         if endpoint is None:
             raise RuntimeError(f"replica {selection.replica_id} has no HTTP server of its own")
+        _tell_router(handle, selection._request_metadata.internal_request_id, replica.replica_id)
         host, port = endpoint
         return ReplicaEndpoint(host, port, replica.replica_id.to_full_id_str())
+
+
+def _tell_router(handle: DeploymentHandle, internal_request_id: str, replica_id: Any) -> None:
+    """Tell the handle's request router, on its own event loop, which replica it picked."""
+    router = handle._router._asyncio_router  # (set by choose_replica)
+    request_router = router.request_router
+    if not isinstance(request_router, PickListener):
+        return
+    if router._event_loop is asyncio.get_running_loop():
+        request_router.on_replica_picked(internal_request_id, replica_id)
+    else:  # Serve runs the router on a loop of its own (not in throughput mode)
+        router._event_loop.call_soon_threadsafe(request_router.on_replica_picked, internal_request_id, replica_id)

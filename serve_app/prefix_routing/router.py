@@ -38,7 +38,7 @@ from serve_app.prefix_routing.table import (
     Decision,
     PrefixTable,
     RoutingKey,
-    RunningOpenings,
+    RunningPrompts,
     choose,
     opening_digest,
     prefix_blocks,
@@ -77,7 +77,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._block_chars = block_chars
         self._max_load_gap = max_load_gap
         self._table = PrefixTable(max_blocks)
-        self._running = RunningOpenings(RUNNING_REQUESTS)
+        self._running = RunningPrompts(RUNNING_REQUESTS)
         self._probing: asyncio.Future[Any] | None = None
         # Per request being routed (by Serve's internal id): its key, what was chosen and when.
         self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None, float]] = OrderedDict()
@@ -100,9 +100,9 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return by_load
         request_id = pending_request.metadata.internal_request_id
         loads = await self._loads(candidate_replicas)
-        running_opening = self._running.replicas(key.home, loads)
-        self._count_choices_not_yet_sent(request_id, key, loads, running_opening)
-        choice = choose(key, self._table, loads, self._max_load_gap, running_opening)
+        running_same_prompt = self._running.replicas(key.whole, loads)
+        self._count_choices_not_yet_sent(request_id, key, loads, running_same_prompt)
+        choice = choose(key, self._table, loads, self._max_load_gap, running_same_prompt)
         self._routing[request_id] = (key, choice, time.monotonic())
         preferred = self._by_unique_id(choice.replica)
         return by_load if preferred is None else [[preferred], *by_load]
@@ -116,10 +116,31 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if request_id in self._ended_unrouted:
             del self._ended_unrouted[request_id]
         else:
-            self._running.started(request_id, replica_id.unique_id, key.home)
+            self._running.started(request_id, replica_id.unique_id, key.whole)
         decision = Decision.BY_LOAD if choice is None else choice.decision
         if choice is not None and choice.replica not in (None, replica_id.unique_id):
             decision = Decision.FALLBACK  # the preferred replica refused it (full) or left
+        self._metrics.routed(decision.value, len(self._table))
+
+    def on_replica_picked(self, internal_request_id: str, replica_id: ReplicaID) -> None:
+        """Direct streaming: the ReplicaPicker named ``replica_id`` and HAProxy sends the request there.
+
+        Serve dispatches nothing here, so neither :meth:`on_request_routed` nor
+        :meth:`on_request_completed` follows. The table learns the prompt, as for a routed
+        request; the pick keeps counting as the replica's load for ``CHOSEN_NOT_SENT_S`` (this
+        router's queue-length cache never sees the request sent); no running prompt is
+        recorded, since no end would ever be reported.
+        """
+        entry = self._routing.get(internal_request_id)
+        if entry is None:  # routed by load: no prompt read
+            return
+        key, choice, chosen_at = entry
+        self._table.record(key.blocks, replica_id.unique_id)
+        decision = Decision.BY_LOAD if choice is None else choice.decision
+        if choice is not None and choice.replica not in (None, replica_id.unique_id):
+            decision = Decision.FALLBACK
+        matched = 0 if choice is None else choice.matched_blocks
+        self._routing[internal_request_id] = (key, Choice(replica_id.unique_id, decision, matched), chosen_at)
         self._metrics.routed(decision.value, len(self._table))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -162,6 +183,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             blocks=prefix_blocks(prompt.text, self._block_chars),
             home=opening_digest(prompt.opening),
             opening_blocks=len(prompt.opening) // self._block_chars,
+            whole=opening_digest(prompt.text),
         )
         self._routing[request_id] = (key, None, time.monotonic())
         while len(self._routing) > REMEMBERED_REQUESTS:  # requests cancelled while waiting
@@ -169,7 +191,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return key
 
     def _count_choices_not_yet_sent(
-        self, request_id: str, key: RoutingKey, loads: dict[str, int], running_opening: set[str]
+        self, request_id: str, key: RoutingKey, loads: dict[str, int], running_same_prompt: set[str]
     ) -> None:
         """Add the replicas chosen for other requests that are not sent yet (Serve's queue lengths
         count a request once it is sent): requests that arrive together must see each other."""
@@ -178,8 +200,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if other_id == request_id or choice is None or choice.replica not in loads or chosen_at < recent:
                 continue
             loads[choice.replica] += 1
-            if other_key.home == key.home:
-                running_opening.add(choice.replica)
+            if other_key.whole == key.whole:
+                running_same_prompt.add(choice.replica)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed.

@@ -16,14 +16,16 @@ a prompt that began with them. :func:`choose` prefers, in order:
    order below 1.25x the mean load, so a few unlucky replicas do not collect the homes);
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
-requests beyond the least busy one, or when it already runs a request of the same opening and
-another replica is less busy, unless the prompt carries history that replica holds. The first
+requests beyond the least busy one, or when it already runs a copy of the very same prompt
+(the whole text) and another replica is less busy, unless the prompt carries history that
+replica holds. The first
 bounds how much affinity may unbalance the replicas; the second keeps one hot prompt (many
 conversations that start alike) from piling on one replica at any load: the prompt is computed
 once more on a less busy replica, which is then remembered as holding it too, and later copies
 go to the least busy of its holders. A conversation's later turn is not a copy: it stays with
-its history, also while a request of its opening runs there (a sibling that started alike, or
-its own previous turn, whose end the router may not have been told of yet).
+its history, also while a sibling that started alike runs there, or its own previous turn, whose
+end the router may not have been told of yet (with direct streaming it never is): its blocks
+may match the previous turn's whole, when the turn adds less than a block, but its text differs.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Decision(str, enum.Enum):
     AFFINITY = "affinity"  # a replica that was sent this prompt's prefix, beyond its opening
     HOME = "home"  # the conversation's home replica (by its opening)
     FALLBACK = "fallback"  # the preferred replica was too busy (or refused it): chosen by load
-    SPREAD = "spread"  # the preferred replica runs this opening already and another is less busy: by load
+    SPREAD = "spread"  # the preferred replica runs a copy of this prompt already and another is less busy: by load
     BY_LOAD = "by_load"  # nothing to prefer (no prompt text): chosen by load
 
 
@@ -96,6 +98,9 @@ class RoutingKey:
     blocks: tuple[int, ...]  # prefix_blocks of the rendered prompt
     home: bytes  # opening_digest of its opening
     opening_blocks: int  # how many whole blocks the opening spans
+    # opening_digest of the whole prompt: what makes two requests copies of one prompt (a later
+    # turn may add less than a block to the one before it, and its blocks then match it whole)
+    whole: bytes
 
 
 @dataclass(frozen=True)
@@ -158,11 +163,11 @@ def choose(
     table: PrefixTable,
     loads: Mapping[str, int],
     max_load_gap: int,
-    running_opening: Collection[str] = (),
+    running_same_prompt: Collection[str] = (),
 ) -> Choice:
     """The replica for ``key`` among ``loads`` (replica -> requests it runs), or None for load to decide.
 
-    ``running_opening``: the replicas running a request with the same opening now.
+    ``running_same_prompt``: the replicas running a copy of this very prompt now.
     """
     if not loads:
         return Choice(None, Decision.BY_LOAD)
@@ -176,13 +181,13 @@ def choose(
         return Choice(None, Decision.FALLBACK, depth)
     # A copy of a prompt seen whole, or a conversation's start, spreads; history stays where it is.
     copy_or_start = decision is Decision.HOME or depth == len(key.blocks)
-    if copy_or_start and preferred in running_opening and loads[preferred] > least:
+    if copy_or_start and preferred in running_same_prompt and loads[preferred] > least:
         return Choice(None, Decision.SPREAD, depth)
     return Choice(preferred, decision, depth)
 
 
-class RunningOpenings:
-    """Which replicas run a request of which opening now (the requests this router sent)."""
+class RunningPrompts:
+    """Which replicas run a copy of which prompt now (the requests this router sent), by ``RoutingKey.whole``."""
 
     def __init__(self, max_requests: int) -> None:
         self.max_requests = max_requests  # (a request whose end is never reported is dropped)

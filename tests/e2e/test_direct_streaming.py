@@ -6,9 +6,11 @@ application's ingress and the ReplicaPicker is its ingress request router, so ev
 answer here was streamed by a model replica to HAProxy and every POST was routed by the
 picker (HAProxy answers its own 503 page when the picker does not name a replica).
 The replica's front door is the ingress's HTTP app, so what it holds requests to is
-checked here as it is on the relay path: the answers, the errors, the model list,
+checked here as it is on the relay path: the answers, the errors (every request of the
+hostile table, whose body HAProxy hands the picker first), large bodies, the model list,
 ``/health``, the gRPC API, and its own queue bound (429 past it, while ``/health``
-still answers: it never waits behind generation).
+still answers: it never waits behind generation). Prefix-aware routing on this path is
+tests/e2e/test_prefix_routing.py's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import DeploymentName, in_flight, running, serve_deploy, serve_deploy_settled
 from tests.e2e.simulation import SimulatedEngines
 from tests.e2e.sse import post_stream
+from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, assert_openai_error, padded
+from tests.hostile_requests import chat as hostile_chat
 from tests.waiting import wait_until
 
 NAME, ROUTE = "direct", "/direct"
@@ -123,6 +127,30 @@ async def test_bad_requests_get_the_openai_error_that_names_the_problem(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert names in error["message"] or error["param"] == names, error
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.id)
+async def test_each_hostile_request_gets_its_4xx_from_the_replica_past_the_picker(
+    direct: RunningApp, case: Hostile
+) -> None:
+    """HAProxy hands the body to the picker first (deploy/cluster.env): nothing in it may fail the
+    pick, which HAProxy would answer with its own plain 503."""
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        response = await client.request(case.method, case.path, content=case.body, headers=case.headers)
+    assert_openai_error(response, case.status, case.param)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_a_large_valid_body_is_answered(direct: RunningApp, stream: bool) -> None:
+    """Read by the picker and checked in the replica's checker process, beside its engine."""
+    body = padded(hostile_chat(model=direct.model, max_tokens=4, min_tokens=4, stream=stream))
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        response = await client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    if stream:
+        assert response.text.rstrip().endswith("data: [DONE]") and response.text.count('"content"') >= 1
+    else:
+        assert response.json()["usage"]["completion_tokens"] == 4
 
 
 async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp) -> None:

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, chat, padded
+from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, assert_openai_error, chat, padded
 from tests.request_strategies import request_bodies
 
 FUZZ_MAX_TOKENS = 8  # answers the server accepts stay short: the fuzzing is about input
@@ -18,15 +18,6 @@ def client(app):
     # A generous timeout: "never hangs" means every request is answered well inside it.
     with httpx.Client(base_url=app.url, timeout=60) as client:
         yield client
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> None:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert param is None or error["param"] == param, error
-    assert "Traceback" not in response.text
 
 
 def assert_healthy(client: httpx.Client, model: str) -> None:

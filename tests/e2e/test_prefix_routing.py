@@ -7,6 +7,10 @@ caching as the engine core does it: docs/simulated-engine.md). Whether a turn fo
 history cached is vLLM's own answer: ``usage.prompt_tokens_details.cached_tokens``. Each
 conversation has its own system prompt, so only the replica that served its earlier turns
 holds any of its prompt: a later turn sent to the other replica would find nothing cached.
+
+Both data paths are tested: the relay path, where the ingress's handle runs the router,
+and direct streaming, where the ReplicaPicker runs it for HAProxy with each request's
+body (deploy/cluster.env) and is told of each pick, since Serve dispatches nothing there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import copy
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.e2e.apps import application
@@ -31,10 +36,11 @@ ANSWER_TOKENS = 16
 HOT_BURST = 40  # identical requests, held while both engines are paused
 
 
-def prefix_app(base: dict[str, Any]) -> dict[str, Any]:
+def prefix_app(base: dict[str, Any], direct_streaming: bool) -> dict[str, Any]:
     """The bed's application under another name and route, with two model replicas pinned."""
     app = copy.deepcopy(base)
     app["name"], app["route_prefix"] = "prefix", "/prefix"
+    app["args"]["ingress"]["direct_streaming"] = direct_streaming
     (model,) = app["args"]["models"]
     assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix
     model["deployment"]["num_replicas"] = 2
@@ -44,6 +50,11 @@ def prefix_app(base: dict[str, Any]) -> dict[str, Any]:
 def system_prompt(n: int) -> str:
     """A system prompt of a few hundred tokens that no other conversation shares."""
     return f"Conversation {n}. " + " ".join(f"rule {n}-{i}: answer with care and brevity." for i in range(14))
+
+
+async def healthy(origin: str) -> bool:
+    async with httpx.AsyncClient(base_url=origin, timeout=10) as client:
+        return (await client.get("/prefix/health")).status_code == 200
 
 
 async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
@@ -64,16 +75,20 @@ async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
     return usages
 
 
-async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(sim_app, cluster, tmp_path):
+@pytest.mark.parametrize("direct_streaming", [False, True], ids=["relay", "direct streaming"])
+async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(
+    sim_app, cluster, tmp_path, direct_streaming
+):
     app = sim_app
     config = yaml.safe_load(app.config_path.read_text())
     both = copy.deepcopy(config)
-    both["applications"].append(prefix_app(application(config, app.name)))
+    both["applications"].append(prefix_app(application(config, app.name), direct_streaming))
     both_path = tmp_path / "with-prefix-app.yaml"
     both_path.write_text(yaml.safe_dump(both, sort_keys=False))
     try:
         await serve_deploy(both_path, cluster)
         await wait_until(lambda: running(MODEL, 2), 120, "the prefix app's two model replicas running")
+        await wait_until(lambda: healthy(app.origin), 60, "the prefix app answering /health")
         limits = httpx.Limits(max_connections=HOT_BURST + CONVERSATIONS)
         async with httpx.AsyncClient(base_url=app.origin, timeout=120, limits=limits) as client:
             conversations = await asyncio.gather(*(converse(client, n) for n in range(CONVERSATIONS)))

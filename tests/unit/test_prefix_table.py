@@ -9,7 +9,7 @@ from serve_app.prefix_routing.table import (
     Decision,
     PrefixTable,
     RoutingKey,
-    RunningOpenings,
+    RunningPrompts,
     bounded_home,
     choose,
     home_replica,
@@ -21,7 +21,7 @@ BLOCK = 8
 
 
 def key(text: str, opening: str = "") -> RoutingKey:
-    return RoutingKey(prefix_blocks(text, BLOCK), opening_digest(opening), len(opening) // BLOCK)
+    return RoutingKey(prefix_blocks(text, BLOCK), opening_digest(opening), len(opening) // BLOCK, opening_digest(text))
 
 
 def test_a_block_names_its_whole_prefix_and_only_full_blocks_count():
@@ -111,30 +111,30 @@ def test_one_hot_prefix_spreads_over_every_replica_it_overflows_to():
 def test_one_hot_opening_is_spread_even_below_the_load_gap():
     """Eight conversations that all start alike, sent at once to two idle replicas: the first
     goes home, each next one to a less busy replica than one already running that opening."""
-    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    table, running = PrefixTable(max_blocks=100), RunningPrompts(max_requests=100)
     loads = {"r1": 0, "r2": 0}
     hot = key("You are a helpful assistant. Question 1?", "You are a helpful assistant. Question 1?")
     decisions = []
     for n in range(8):
-        choice = choose(hot, table, loads, max_load_gap=16, running_opening=running.replicas(hot.home, loads))
+        choice = choose(hot, table, loads, max_load_gap=16, running_same_prompt=running.replicas(hot.whole, loads))
         replica = choice.replica or min(loads, key=loads.__getitem__)  # (load's choice, simplified)
         decisions.append(choice.decision)
         table.record(hot.blocks, replica)
-        running.started(f"req{n}", replica, hot.home)
+        running.started(f"req{n}", replica, hot.whole)
         loads[replica] += 1
     assert loads == {"r1": 4, "r2": 4}, (loads, decisions)
     assert Decision.SPREAD in decisions
 
 
 def test_a_later_turn_stays_with_its_history_while_other_openings_run_there():
-    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    table, running = PrefixTable(max_blocks=100), RunningPrompts(max_requests=100)
     opening = "System: be brief. User: hello"
     turn_2 = key(opening + " Assistant: hi. User: and then?", opening)
     table.record(prefix_blocks(opening + " Assistant: hi.", BLOCK), "r2")
     other = key("System: another conversation", "System: another conversation")
-    running.started("other", "r2", other.home)
+    running.started("other", "r2", other.whole)
     loads = {"r1": 0, "r2": 5}
-    choice = choose(turn_2, table, loads, max_load_gap=16, running_opening=running.replicas(turn_2.home, loads))
+    choice = choose(turn_2, table, loads, max_load_gap=16, running_same_prompt=running.replicas(turn_2.whole, loads))
     assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
 
 
@@ -142,23 +142,38 @@ def test_a_later_turn_stays_with_its_history_while_its_own_opening_runs_there():
     """Its previous turn may not have been reported ended yet when the next one arrives (the
     client has its answer first), or a conversation that started alike runs there: a later turn
     still goes where its history is, not to a less busy replica that holds none of it."""
-    table, running = PrefixTable(max_blocks=100), RunningOpenings(max_requests=100)
+    table, running = PrefixTable(max_blocks=100), RunningPrompts(max_requests=100)
     opening = "System: be brief. User: hello"
     turn_1 = key(opening, opening)
     table.record(turn_1.blocks, "r2")
-    running.started("turn-1, not yet reported ended", "r2", turn_1.home)
+    running.started("turn-1, not yet reported ended", "r2", turn_1.whole)
     turn_2 = key(opening + " Assistant: hi. User: and then?", opening)
     table.record(prefix_blocks(opening + " Assistant: hi.", BLOCK), "r2")
     loads = {"r1": 0, "r2": 1}
-    choice = choose(turn_2, table, loads, max_load_gap=16, running_opening=running.replicas(turn_2.home, loads))
+    choice = choose(turn_2, table, loads, max_load_gap=16, running_same_prompt=running.replicas(turn_2.whole, loads))
     assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
     # A copy of the first turn itself (seen whole) is spread, as one hot prompt is.
-    copy = choose(turn_1, table, loads, max_load_gap=16, running_opening=running.replicas(turn_1.home, loads))
+    copy = choose(turn_1, table, loads, max_load_gap=16, running_same_prompt=running.replicas(turn_1.whole, loads))
     assert (copy.replica, copy.decision) == (None, Decision.SPREAD)
 
 
-def test_running_openings_end_are_forgotten_and_bounded():
-    running = RunningOpenings(max_requests=2)
+def test_a_later_turn_that_adds_less_than_a_block_is_no_copy_of_the_turn_before():
+    """Its blocks then match the previous turn's whole, which still runs (or, with direct
+    streaming, is never reported ended): it stays with its history all the same."""
+    table, running = PrefixTable(max_blocks=100), RunningPrompts(max_requests=100)
+    opening = "System: be brief. User: hello"
+    turn_1 = key(opening, opening)
+    turn_2 = key(opening + "!?", opening)  # less than a block more (29 + 2 characters: 3 blocks of 8)
+    assert turn_2.blocks == turn_1.blocks and turn_2.whole != turn_1.whole
+    table.record(turn_1.blocks, "r2")
+    running.started("turn-1", "r2", turn_1.whole)
+    loads = {"r1": 0, "r2": 1}
+    choice = choose(turn_2, table, loads, max_load_gap=16, running_same_prompt=running.replicas(turn_2.whole, loads))
+    assert (choice.replica, choice.decision) == ("r2", Decision.AFFINITY)
+
+
+def test_running_prompts_end_are_forgotten_and_bounded():
+    running = RunningPrompts(max_requests=2)
     running.started("a", "r1", b"x")
     running.started("b", "r2", b"x")
     assert running.replicas(b"x", ["r1", "r2", "r3"]) == {"r1", "r2"}

@@ -46,3 +46,19 @@ def test_haproxys_lua_action_posts_to_the_route_path_and_reads_the_fields_the_pi
     assert '"replica_id"' in lua
     assert f'"{serve_internals.REQUEST_HEADERS_FIELD}"' in lua
     assert constants.RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD == serve_internals.REQUEST_HEADERS_FIELD
+
+
+def test_serve_tells_a_request_router_only_of_dispatched_requests_so_a_pick_is_told_on_the_routers_loop() -> None:
+    import dataclasses
+
+    from ray.serve._private.request_router.replica_wrapper import ReplicaSelection
+    from ray.serve._private.router import AsyncioRouter, CurrentLoopRouter, SingletonThreadRouter
+
+    assert "on_request_routed" not in inspect.getsource(AsyncioRouter.choose_replica)  # why pick_replica tells
+    assert "on_request_routed" in inspect.getsource(AsyncioRouter)  # (it does, for dispatched requests)
+    assert "self._router: Optional[Router]" in inspect.getsource(DeploymentHandle.__mro__[1].__init__)
+    for wrapper in (CurrentLoopRouter, SingletonThreadRouter):
+        assert "self._asyncio_router = AsyncioRouter(" in inspect.getsource(wrapper.__init__)
+    assert "self._event_loop = event_loop" in inspect.getsource(AsyncioRouter.__init__)
+    assert isinstance(inspect.getattr_static(AsyncioRouter, "request_router"), property)
+    assert "_request_metadata" in {field.name for field in dataclasses.fields(ReplicaSelection)}
