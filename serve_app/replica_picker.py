@@ -63,7 +63,8 @@ class ReplicaPicker:
     """Names the model replica for each request HAProxy asks about."""
 
     def __init__(self, model: DeploymentHandle) -> None:
-        # One handle per generation method, made once: the router keys prefixes by method.
+        # One handle per generation method, made once (not per request); each builds its own
+        # request router, so chat and completion prompts are remembered apart.
         self.handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
 
     def __serve_build_asgi_app__(self) -> Starlette:

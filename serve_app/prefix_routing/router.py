@@ -117,10 +117,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             del self._ended_unrouted[request_id]
         else:
             self._running.started(request_id, replica_id.unique_id, key.whole)
-        decision = Decision.BY_LOAD if choice is None else choice.decision
-        if choice is not None and choice.replica not in (None, replica_id.unique_id):
-            decision = Decision.FALLBACK  # the preferred replica refused it (full) or left
-        self._metrics.routed(decision.value, len(self._table))
+        self._metrics.routed(_decision(choice, replica_id).value, len(self._table))
 
     def on_replica_picked(self, internal_request_id: str, replica_id: ReplicaID) -> None:
         """Direct streaming: the ReplicaPicker named ``replica_id`` and HAProxy sends the request there.
@@ -136,9 +133,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         key, choice, chosen_at = entry
         self._table.record(key.blocks, replica_id.unique_id)
-        decision = Decision.BY_LOAD if choice is None else choice.decision
-        if choice is not None and choice.replica not in (None, replica_id.unique_id):
-            decision = Decision.FALLBACK
+        decision = _decision(choice, replica_id)
         matched = 0 if choice is None else choice.matched_blocks
         self._routing[internal_request_id] = (key, Choice(replica_id.unique_id, decision, matched), chosen_at)
         self._metrics.routed(decision.value, len(self._table))
@@ -240,3 +235,12 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if unique_id is None:
             return None
         return next((r for r in self._replicas_list if r.replica_id.unique_id == unique_id), None)
+
+
+def _decision(choice: Choice | None, replica_id: ReplicaID) -> Decision:
+    """How the replica a request went to was chosen, for the decisions metric."""
+    if choice is None:
+        return Decision.BY_LOAD
+    if choice.replica not in (None, replica_id.unique_id):
+        return Decision.FALLBACK  # the preferred replica refused it (full) or left
+    return choice.decision

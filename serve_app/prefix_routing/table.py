@@ -16,16 +16,16 @@ a prompt that began with them. :func:`choose` prefers, in order:
    order below 1.25x the mean load, so a few unlucky replicas do not collect the homes);
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
-requests beyond the least busy one, or when it already runs a copy of the very same prompt
-(the whole text) and another replica is less busy, unless the prompt carries history that
-replica holds. The first
-bounds how much affinity may unbalance the replicas; the second keeps one hot prompt (many
-conversations that start alike) from piling on one replica at any load: the prompt is computed
-once more on a less busy replica, which is then remembered as holding it too, and later copies
-go to the least busy of its holders. A conversation's later turn is not a copy: it stays with
-its history, also while a sibling that started alike runs there, or its own previous turn, whose
-end the router may not have been told of yet (with direct streaming it never is): its blocks
-may match the previous turn's whole, when the turn adds less than a block, but its text differs.
+requests beyond the least busy one, or when it already runs a copy of the very same prompt (the
+whole text) and another replica is less busy, unless the prompt carries history that replica
+holds. The first bounds how much affinity may unbalance the replicas; the second keeps one hot
+prompt (many conversations that start alike) from piling on one replica at any load: the prompt
+is computed once more on a less busy replica, which is then remembered as holding it too, and
+later copies go to the least busy of its holders. A conversation's later turn is not a copy: it
+stays with its history, also while a sibling that started alike runs there, or its own previous
+turn, whose end the router may not have been told of yet (with direct streaming it never is):
+its blocks may match the previous turn's whole, when the turn adds less than a block, but its
+text differs.
 """
 
 from __future__ import annotations
