@@ -37,7 +37,13 @@ GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGen
 
 class LocalAnswer:
     """A generation running in this process, shaped as a streaming handle's response (what
-    :func:`serve_app.ingress.replica_client.call_replica` reads): iterate it, cancel it."""
+    :func:`serve_app.ingress.replica_client.call_replica` reads): iterate it, cancel it.
+
+    The generator runs in the caller's task, so a deadline's cancellation lands inside
+    it, and vLLM's unary path swallows it (it returns its 400 "Client disconnected"
+    as if the client had left). A cancellation requested while the generator ran is
+    raised again here, so the caller's deadline fires (504) as it does on a handle.
+    """
 
     def __init__(self, generator: AsyncGenerator[Answer, None]) -> None:
         self._generator = generator
@@ -47,7 +53,12 @@ class LocalAnswer:
         return self
 
     async def __anext__(self) -> Answer:
-        return await anext(self._generator)
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
+        item = await anext(self._generator)
+        if task is not None and task.cancelling() > cancelling:  # cancelled meanwhile, and it was swallowed
+            raise asyncio.CancelledError
+        return item
 
     def cancel(self) -> None:
         """Stop the generation (vLLM aborts the request as its generator closes); a no-op once it ended."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
+import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -14,6 +15,7 @@ from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from serve_app.ingress.capacity import GenerationCapacity
+from serve_app.ingress.deadlines import DeadlineExceeded, next_before
 from serve_app.replica.front_door import LocalModel
 
 
@@ -90,3 +92,26 @@ async def test_a_local_call_streams_the_replicas_answer_and_cancelling_it_closes
     await asyncio.wait_for(closed.wait(), 5)
     assert seen == [(REQUEST, {"traceparent": "t"})]
     answer.cancel()  # twice is harmless
+
+
+async def test_a_deadline_that_passes_during_a_local_unary_call_fires_though_the_generation_swallows_it() -> None:
+    """vLLM's unary path catches the cancellation and returns its 400 "Client disconnected";
+    called in-process, that reply must not stand in for the deadline's 504."""
+    swallowed = asyncio.Event()
+
+    async def chat(payload: object, trace_context: dict[str, str] | None) -> AsyncGenerator[str, None]:
+        try:
+            await asyncio.Event().wait()  # a paused engine
+        except asyncio.CancelledError:
+            swallowed.set()
+            yield "400 Client disconnected"  # as vLLM's full generator answers a cancellation
+            return
+        yield "never"
+
+    async def completion(payload: object, trace_context: dict[str, str] | None) -> AsyncGenerator[str, None]:
+        yield "unused"
+
+    answer = LocalModel(chat, completion).chat.remote(REQUEST, None)
+    with pytest.raises(DeadlineExceeded):
+        await next_before(answer, asyncio.get_running_loop().time() + 0.05)
+    assert swallowed.is_set()
