@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -66,22 +66,61 @@ class LocalAnswer:
             self._closing = asyncio.get_running_loop().create_task(self._generator.aclose())
 
 
+class RemoteMethod(Protocol):
+    """``handle.<method>`` of a streaming deployment handle, as far as the front door calls it."""
+
+    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> Any: ...
+
+
+class OtherReplicas(Protocol):
+    """A streaming handle to this replica's deployment: its other replicas, by Serve's router."""
+
+    @property
+    def chat(self) -> RemoteMethod: ...
+
+    @property
+    def completion(self) -> RemoteMethod: ...
+
+
 class LocalMethod:
-    """``handle.<method>`` of a streaming handle, for a method of this replica."""
+    """``handle.<method>`` of a streaming handle, for a method of this replica.
 
-    def __init__(self, method: GenerationMethod) -> None:
+    Once this replica's engine has failed, a request it has not started goes to the
+    deployment's other replicas through ``elsewhere`` (the relay path's handle call),
+    as the ingress sends it on the relay path: HAProxy has already handed the
+    connection to this replica, and only this replica can still answer it.
+    """
+
+    def __init__(
+        self,
+        method: GenerationMethod,
+        engine_failed: Callable[[], bool] = lambda: False,
+        elsewhere: RemoteMethod | None = None,
+    ) -> None:
         self._method = method
+        self._engine_failed = engine_failed
+        self._elsewhere = elsewhere
 
-    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> LocalAnswer:
+    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> Any:
+        if self._elsewhere is not None and self._engine_failed():
+            return self._elsewhere.remote(payload, trace_context)
         return LocalAnswer(self._method(payload, trace_context))
 
 
 class LocalModel:
-    """This replica as the ingress's routes call a model: ``chat`` and ``completion``, answered here."""
+    """This replica as the ingress's routes call a model: ``chat`` and ``completion``, answered
+    here, or by another replica of the deployment (``others``, a streaming handle) once this
+    replica's engine has failed."""
 
-    def __init__(self, chat: GenerationMethod, completion: GenerationMethod) -> None:
-        self.chat = LocalMethod(chat)
-        self.completion = LocalMethod(completion)
+    def __init__(
+        self,
+        chat: GenerationMethod,
+        completion: GenerationMethod,
+        engine_failed: Callable[[], bool] = lambda: False,
+        others: OtherReplicas | None = None,
+    ) -> None:
+        self.chat = LocalMethod(chat, engine_failed, others.chat if others is not None else None)
+        self.completion = LocalMethod(completion, engine_failed, others.completion if others is not None else None)
 
     def options(self, **_: Any) -> LocalModel:
         return self
@@ -100,20 +139,24 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
             {
                 model.name: ModelEntry(
                     model.name,
-                    LocalModel(self.chat, self.completion),
+                    LocalModel(
+                        self.chat,
+                        self.completion,
+                        engine_failed=lambda: self.watch.failed,
+                        others=serve.get_deployment_handle(
+                            model.deployment_name, serve.get_replica_context().app_name
+                        ).options(stream=True),
+                    ),
                     model.engine_args.get("max_model_len"),
                     model.max_output_tokens,
                     simulated=model.simulated_engine is not None,
                 )
             }
         )
-        self.settings = replace(
-            ingress_settings(config, rate_limiter),
-            generation_limit=model.generation_limit(),
-            # Sending a request again only reaches this replica again: a dead engine's replica
-            # answers 503 `unavailable` (with Retry-After) at once, before it leaves.
-            unavailable_retry_s=0.0,
-        )
+        # A request that meets this replica after its engine died goes to the others, and
+        # is sent again (for up to ingress.unavailable_retry_s) while they answer
+        # `unavailable`, as on the relay path.
+        self.settings = replace(ingress_settings(config, rate_limiter), generation_limit=model.generation_limit())
         self.readiness = ReadinessWatch(
             serve.status,
             serve.get_replica_context().app_name,

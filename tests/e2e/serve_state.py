@@ -209,14 +209,22 @@ async def death_reason(actor_id: str) -> str | None:
     return (actor.death_cause or {}).get("actor_died_error_context", {}).get("reason")
 
 
-def request_log_lines(session_dir: str, app_name: str, deployment: str = "Ingress") -> dict[str, dict[str, Any]]:
+async def serve_replica_id(actor_id: str) -> str:
+    """Serve's id of a replica (what its log file is named by), from its actor's id."""
+    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", actor_id)])
+    return actor.name.rsplit("#", 1)[-1]  # SERVE_REPLICA::<app>#<deployment>#<replica id>
+
+
+def request_log_lines(
+    session_dir: str, app_name: str, deployment: str = "Ingress", replica: str = "*"
+) -> dict[str, dict[str, Any]]:
     """The ingress's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
 
-    Read from every ingress replica's Serve log in the session's log directory, as an
-    operator would. Blocking: call it through ``asyncio.to_thread``.
+    Read from every ingress replica's Serve log in the session's log directory (or one
+    replica's: its Serve id), as an operator would. Blocking: call it through ``asyncio.to_thread``.
     """
     lines = {}
-    for path in Path(session_dir, "logs", "serve").glob(f"replica_{app_name}_{deployment}_*.log"):
+    for path in Path(session_dir, "logs", "serve").glob(f"replica_{app_name}_{deployment}_{replica}.log"):
         for line in path.read_text(errors="replace").splitlines():
             head, sep, payload = line.partition(' -- {"event":"request"')
             if sep:

@@ -27,10 +27,19 @@ import yaml
 from ray import serve
 
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import RunningApp, application
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel
-from tests.e2e.serve_state import DeploymentName, in_flight, running, serve_deploy, serve_deploy_settled
+from tests.e2e.serve_state import (
+    DeploymentName,
+    in_flight,
+    request_log_lines,
+    running,
+    serve_deploy,
+    serve_deploy_settled,
+    serve_replica_id,
+)
 from tests.e2e.simulation import SimulatedEngines
 from tests.e2e.sse import post_stream
 from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, assert_openai_error, padded
@@ -181,3 +190,51 @@ async def test_past_its_queue_a_replica_answers_429_and_health_still_answers(dir
     assert refused.json()["error"]["code"] == "overloaded"
     assert health.status_code == 200, health.text
     assert [a.status_code for a in answers] == [200] * limit, [a.text for a in answers]
+
+
+FAILOVER_REQUESTS = 48  # sent while the dead engine's replica is still listed (it leaves within seconds)
+
+
+async def test_a_request_that_meets_a_replica_whose_engine_died_is_answered_by_another(
+    direct: RunningApp, cluster: str
+) -> None:
+    """A replica whose engine has died stays in HAProxy's and the picker's lists until it
+    leaves; a request handed to it then is not refused: its front door sends it to the other
+    replica, as the ingress does on the relay path. Every request is answered 200, and the
+    dead replica's own log lines show requests met it (answered though its engine was dead)."""
+    import ray
+
+    config = yaml.safe_load(direct.config_path.read_text())
+    application(config, NAME)["args"]["models"][0]["deployment"]["num_replicas"] = 2
+    two = direct.config_path.with_name("two-replicas.yaml")
+    two.write_text(yaml.safe_dump(config, sort_keys=False))
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+    try:
+        await serve_deploy(two, cluster)
+        await wait_until(lambda: running(MODEL, 2), 120, "the direct app's two model replicas running")
+        engines = SimulatedEngines(MODEL)
+        dead = (await engines.replicas())[0]
+        dead_id = await serve_replica_id(dead)
+        await engines.control(dead, Control.FAIL)
+        async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+
+            async def one(i: int) -> tuple[str, httpx.Response]:
+                request_id = f"failover-{dead_id}-{i}"
+                body = chat(direct.model, 4)
+                return request_id, await client.post(CHAT_PATH, json=body, headers={"X-Request-Id": request_id})
+
+            answers = await asyncio.gather(*(one(i) for i in range(FAILOVER_REQUESTS)))
+        assert [r.status_code for _, r in answers] == [200] * FAILOVER_REQUESTS, [r.text for _, r in answers]
+        assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
+        sent = {request_id for request_id, _ in answers}
+
+        def met_the_dead_replica() -> dict[str, dict[str, Any]]:
+            logged = request_log_lines(session_dir, NAME, MODEL.deployment_name, replica=dead_id)
+            return {request_id: line for request_id, line in logged.items() if request_id in sent}
+
+        met = await asyncio.to_thread(met_the_dead_replica)
+        assert met, "no request met the replica whose engine died"
+        assert all(line["status"] == 200 for line in met.values()), met
+        print(f"{len(met)} of {FAILOVER_REQUESTS} requests met the dead engine's replica and were answered elsewhere")
+    finally:
+        await serve_deploy_settled(direct.config_path, cluster)  # one replica again, as the module's other tests

@@ -115,3 +115,33 @@ async def test_a_deadline_that_passes_during_a_local_unary_call_fires_though_the
     with pytest.raises(DeadlineExceeded):
         await next_before(answer, asyncio.get_running_loop().time() + 0.05)
     assert swallowed.is_set()
+
+
+async def test_once_the_engine_failed_a_request_goes_to_the_other_replicas_and_never_before() -> None:
+    """HAProxy hands a connection to a replica whose engine has just died: the request is
+    not refused there, it goes to the deployment's other replicas through the handle."""
+    failed = False
+    sent_elsewhere: list[tuple[str, object, object]] = []
+
+    class Elsewhere:
+        def __init__(self, method: str) -> None:
+            self.method = method
+
+        def remote(self, payload: object, trace_context: dict[str, str] | None = None) -> str:
+            sent_elsewhere.append((self.method, payload, trace_context))
+            return f"{self.method} from another replica"
+
+    class Others:
+        chat = Elsewhere("chat")
+        completion = Elsewhere("completion")
+
+    async def here(payload: object, trace_context: dict[str, str] | None) -> AsyncGenerator[str, None]:
+        yield "answered here"
+
+    model = LocalModel(here, here, engine_failed=lambda: failed, others=Others())
+    assert await anext(model.chat.remote(REQUEST, None)) == "answered here"
+    assert sent_elsewhere == []
+    failed = True
+    assert model.chat.remote(REQUEST, {"traceparent": "t"}) == "chat from another replica"
+    assert model.completion.remote(REQUEST, None) == "completion from another replica"
+    assert sent_elsewhere == [("chat", REQUEST, {"traceparent": "t"}), ("completion", REQUEST, None)]
