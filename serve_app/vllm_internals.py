@@ -11,6 +11,8 @@ attribute named here still exists in the installed vLLM.
 from __future__ import annotations
 
 import contextlib
+import logging
+import logging.handlers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,34 @@ def use_chat_parser(state: Any, parser_cls: type) -> None:
     """
     state.openai_serving_chat.parser_cls = parser_cls
     state.online_renderer.parser = parser_cls
+
+
+@contextlib.contextmanager
+def process_logging_kept() -> Iterator[None]:
+    """Keep this process's log handlers writing while vLLM builds an engine.
+
+    Building one configures vLLM's logging with ``logging.config.dictConfig``
+    (``configure_logging_if_needed``), which closes every handler in the process.
+    A closed file handler reopens on its next line, but a closed ``MemoryHandler``
+    drops its target, and Serve writes a replica's log through one: every later
+    line of the replica (the request log, the engine watch's errors) was lost.
+    Each memory handler's target is given back afterwards.
+    """
+    loggers = [logging.getLogger()] + [
+        found for found in logging.Logger.manager.loggerDict.values() if isinstance(found, logging.Logger)
+    ]
+    targets = {
+        handler: handler.target
+        for found in loggers
+        for handler in found.handlers
+        if isinstance(handler, logging.handlers.MemoryHandler) and handler.target is not None
+    }
+    try:
+        yield
+    finally:
+        for handler, target in targets.items():
+            if handler.target is None:
+                handler.setTarget(target)
 
 
 def generation_config_fields(engine: Any) -> dict[str, Any]:

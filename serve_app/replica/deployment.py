@@ -84,7 +84,8 @@ class ModelServer:
         if model.simulated_engine is not None:  # every response says it is simulated
             frontend_kwargs |= {"fingerprint_mode": "custom", "fingerprint_value": SIMULATED_FINGERPRINT}
         engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
-        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        with vllm_internals.process_logging_kept():  # (vLLM configures its logging here too)
+            vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
         check_dtype(vllm_config.model_config.dtype)
         engine_options = dict(
@@ -98,9 +99,11 @@ class ModelServer:
         )
         self.simulated_core: SimulatedEngineCore | None = None
         if model.simulated_engine is None:
-            self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
+            with vllm_internals.process_logging_kept():  # (vLLM configures logging as it builds one)
+                self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
         else:
-            self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
+            with vllm_internals.process_logging_kept():
+                self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
             self.simulated_core = vllm_internals.engine_core(self.engine)
             # Tests drive it through the cluster's switchboard, which reaches a full replica too.
             self._follow_controls = asyncio.get_running_loop().create_task(

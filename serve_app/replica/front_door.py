@@ -167,3 +167,13 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return build_http_app(self.front_router, self.settings, self.readiness)
+
+    def _leave(self) -> None:
+        """Its engine died or hung: stop the engine, but keep the process (on the relay path it exits).
+
+        HAProxy and the picker keep sending this replica requests until Serve, whose
+        health check of it now fails, takes it out and stops it (draining what it
+        holds); until then its front door sends each one on to the other replicas.
+        Exiting at once cut the requests in flight here: HAProxy's plain-text 500.
+        """
+        self.engine.shutdown()

@@ -120,3 +120,39 @@ def test_the_guidance_plugin_is_registered_with_vllm_and_replaces_both_of_its_to
     vllm_internals.guidance_keeps_text_as_text()  # twice, as vLLM may: one wrapping, not two
     assert GuidanceBackend._build_ll_tokenizer is build and getattr(build, "keeps_text_as_text", False)
     assert vllm.sampling_params._get_llg_tokenizer.__module__ == "serve_app.vllm_internals"
+
+
+def test_a_memory_handler_keeps_writing_after_vllm_configures_its_logging(tmp_path: Path) -> None:
+    """vLLM configures its logging when it builds an engine (AsyncLLM and the engine config call
+    ``configure_logging_if_needed``), and that closes every handler in the process: a
+    MemoryHandler, what Serve writes a replica's log through, loses its target. Inside
+    ``process_logging_kept`` it gets it back, and the next line reaches the file."""
+    import logging.handlers
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    def memory_logger(name: str) -> tuple[logging.Logger, logging.handlers.MemoryHandler, Path]:
+        path = tmp_path / f"{name}.log"
+        handler = logging.handlers.MemoryHandler(1, target=logging.FileHandler(path))
+        log = logging.getLogger(f"test.replica.{name}")
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        log.addHandler(handler)
+        return log, handler, path
+
+    unkept, unkept_handler, unkept_path = memory_logger("unkept")
+    configure_logging(LoggingConfig())
+    assert unkept_handler.target is None  # vLLM still closes every handler: the repair is needed
+    unkept.info("lost")
+    assert "lost" not in unkept_path.read_text()
+
+    kept, kept_handler, kept_path = memory_logger("kept")
+    with vllm_internals.process_logging_kept():
+        configure_logging(LoggingConfig())
+    kept.info("the request log line")
+    assert kept_handler.target is not None and "the request log line" in kept_path.read_text()
+    for log in (unkept, kept):
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+            handler.close()
