@@ -25,6 +25,7 @@ from serve_app.config import AppConfig, ModelConfig
 from serve_app.grpc_api.methods import GenerationMethods
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
+from serve_app.ingress.rate_limits import RemoteMethod
 from serve_app.ingress.readiness import ReadinessWatch
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.routes import build_http_app
@@ -64,12 +65,6 @@ class LocalAnswer:
         """Stop the generation (vLLM aborts the request as its generator closes); a no-op once it ended."""
         if self._closing is None:
             self._closing = asyncio.get_running_loop().create_task(self._generator.aclose())
-
-
-class RemoteMethod(Protocol):
-    """``handle.<method>`` of a streaming deployment handle, as far as the front door calls it."""
-
-    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> Any: ...
 
 
 class OtherReplicas(Protocol):
