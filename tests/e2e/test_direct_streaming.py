@@ -215,15 +215,11 @@ async def test_a_request_that_meets_a_replica_whose_engine_died_is_answered_by_a
         await serve_deploy(two, cluster)
         await wait_until(lambda: running(MODEL, 2), 120, "the direct app's two model replicas running")
         engines = SimulatedEngines(MODEL)
-        dead = (await engines.replicas())[0]
-        dead_id = await serve_replica_id(dead)
         chat_handle = serve.get_deployment_handle(MODEL.deployment_name, NAME).options(method_name="chat")
-
-        async def the_dead_replicas_port() -> ReplicaEndpoint | None:
-            endpoint = await pick_replica(chat_handle)  # the picker's own call
-            return endpoint if endpoint.replica_id.endswith(dead_id) else None
-
-        endpoint = await wait_until(the_dead_replicas_port, 30, f"the picker naming replica {dead_id}")
+        endpoint: ReplicaEndpoint = await pick_replica(chat_handle)  # the picker's own call names one
+        by_serve_id = {await serve_replica_id(actor): actor for actor in await engines.replicas()}
+        dead_id = endpoint.replica_id.rsplit("#", 1)[-1]
+        dead = by_serve_id[dead_id]
         await engines.control(dead, Control.FAIL)
         # At most TAKES + QUEUES at once, so no replica's own bound refuses any.
         at_once = asyncio.Semaphore(TAKES + QUEUES)
