@@ -7,7 +7,8 @@ each call. It reuses Serve's power-of-two-choices router for everything but the
 preference: when :func:`~serve_app.prefix_routing.table.choose` names a replica, that
 replica is tried first and Serve's two random candidates after it (so a full preferred
 replica never holds a request back); otherwise only the two candidates, as Serve's
-default router would. Loads are Serve's own queue-length cache, probed where stale.
+default router would, the less busy first (direct streaming's picker takes the first as
+it is). Loads are Serve's own queue-length cache, probed where stale.
 
 Ray's ``PrefixCacheAffinityRouter`` was not used: it keys on the raw message text
 (not the rendered template and tools), blocks the event loop on a remote prefix-tree
@@ -49,7 +50,9 @@ logger = logging.getLogger("ray.serve")
 ROUTED_METHODS = frozenset({"chat", "completion"})  # the model replica's generation methods
 REMEMBERED_REQUESTS = 4096  # keys of requests being routed, kept between their routing attempts
 RUNNING_REQUESTS = 65_536  # requests followed until they end (ends Serve never reports drop out)
-CHOSEN_NOT_SENT_S = 1.0  # how long a choice counts as load before Serve's own count has it
+CHOSEN_NOT_SENT_S = 1.0  # longest a choice counts as load before Serve's own count has it
+PICK_DELIVERY_S = 0.1  # direct streaming: longest a pick counts as load (HAProxy sends it on in milliseconds)
+LOAD_REFRESH_S = 0.25  # a replica's load older than this is probed again, in the background
 PROBE_ATTEMPTS = 3  # queue-length probes of a replica that has not answered, each with a longer deadline
 
 
@@ -78,8 +81,10 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._max_load_gap = max_load_gap
         self._table = PrefixTable(max_blocks)
         self._running = RunningPrompts(RUNNING_REQUESTS)
-        self._probing: asyncio.Future[Any] | None = None
-        # Per request being routed (by Serve's internal id): its key, what was chosen and when.
+        self._probes: dict[ReplicaID, asyncio.Future[None]] = {}  # the probe under way for each replica
+        self._probed_at: dict[str, float] = {}  # when the last probe each replica answered was sent
+        # Per request being routed (by Serve's internal id): its key, what was chosen, and until
+        # when the choice counts as its replica's load (Serve's own count does not have it yet).
         self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None, float]] = OrderedDict()
         # Requests whose end Serve reported before their routing (a short one may end first).
         self._ended_unrouted: OrderedDict[str, None] = OrderedDict()
@@ -103,9 +108,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         running_same_prompt = self._running.replicas(key.whole, loads)
         self._count_choices_not_yet_sent(request_id, key, loads, running_same_prompt)
         choice = choose(key, self._table, loads, self._max_load_gap, running_same_prompt)
-        self._routing[request_id] = (key, choice, time.monotonic())
+        self._routing[request_id] = (key, choice, time.monotonic() + CHOSEN_NOT_SENT_S)
         preferred = self._by_unique_id(choice.replica)
-        return by_load if preferred is None else [[preferred], *by_load]
+        if preferred is None:
+            # Least loaded first: Serve compares a rank's loads itself when it dispatches, but the
+            # ReplicaPicker (direct streaming) takes the first replica of the first rank as it is.
+            unknown = max(loads.values(), default=0) + 1
+            return [sorted(rank, key=lambda r: loads.get(r.replica_id.unique_id, unknown)) for rank in by_load]
+        return [[preferred], *by_load]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key, choice, _ = self._routing.pop(pending_request.metadata.internal_request_id, (None, None, 0.0))
@@ -124,18 +134,22 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
         Serve dispatches nothing here, so neither :meth:`on_request_routed` nor
         :meth:`on_request_completed` follows. The table learns the prompt, as for a routed
-        request; the pick keeps counting as the replica's load for ``CHOSEN_NOT_SENT_S`` (this
+        request; the pick counts as the replica's load for ``PICK_DELIVERY_S`` at most (this
         router's queue-length cache never sees the request sent); no running prompt is
         recorded, since no end would ever be reported.
         """
         entry = self._routing.get(internal_request_id)
         if entry is None:  # routed by load: no prompt read
             return
-        key, choice, chosen_at = entry
+        key, choice, counted_until = entry
         self._table.record(key.blocks, replica_id.unique_id)
         decision = _decision(choice, replica_id)
         matched = 0 if choice is None else choice.matched_blocks
-        self._routing[internal_request_id] = (key, Choice(replica_id.unique_id, decision, matched), chosen_at)
+        # Counted as load until the replica has it, and no longer: no end is ever reported, and a
+        # pick counted for long would count requests long finished (a replica that serves many
+        # short requests would look many times busier than it is, and lose its conversations).
+        counted_until = min(counted_until, time.monotonic() + PICK_DELIVERY_S)
+        self._routing[internal_request_id] = (key, Choice(replica_id.unique_id, decision, matched), counted_until)
         self._metrics.routed(decision.value, len(self._table))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -157,6 +171,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._forget(replica_id.unique_id)
 
     def _forget(self, replica: str) -> None:
+        self._probes = {id_: probe for id_, probe in self._probes.items() if id_.unique_id != replica}
+        self._probed_at.pop(replica, None)
         self._table.forget(replica)
         self._running.forget(replica)
 
@@ -180,7 +196,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             opening_blocks=len(prompt.opening) // self._block_chars,
             whole=opening_digest(prompt.text),
         )
-        self._routing[request_id] = (key, None, time.monotonic())
+        self._routing[request_id] = (key, None, time.monotonic() + CHOSEN_NOT_SENT_S)
         while len(self._routing) > REMEMBERED_REQUESTS:  # requests cancelled while waiting
             self._routing.popitem(last=False)
         return key
@@ -188,11 +204,12 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _count_choices_not_yet_sent(
         self, request_id: str, key: RoutingKey, loads: dict[str, int], running_same_prompt: set[str]
     ) -> None:
-        """Add the replicas chosen for other requests that are not sent yet (Serve's queue lengths
-        count a request once it is sent): requests that arrive together must see each other."""
-        recent = time.monotonic() - CHOSEN_NOT_SENT_S
-        for other_id, (other_key, choice, chosen_at) in self._routing.items():
-            if other_id == request_id or choice is None or choice.replica not in loads or chosen_at < recent:
+        """Add the replicas chosen for other requests that Serve's loads do not count yet (for
+        ``CHOSEN_NOT_SENT_S``, or a direct pick ``PICK_DELIVERY_S``): requests that arrive
+        together must see each other."""
+        now = time.monotonic()
+        for other_id, (other_key, choice, counted_until) in self._routing.items():
+            if other_id == request_id or choice is None or choice.replica not in loads or counted_until < now:
                 continue
             loads[choice.replica] += 1
             if other_key.whole == key.whole:
@@ -201,17 +218,30 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed.
 
-        One probe at a time: requests that arrive together while the cache is stale (it keeps
-        an answer 10 s) wait for the same probe, not one each of every replica.
+        A replica with no load in the cache (it keeps an answer 10 s) is waited for; one whose
+        load is older than ``LOAD_REFRESH_S`` is probed again in the background, this request
+        going by the load known. One probe per replica at a time: requests that arrive together
+        share the probe under way of each replica they need, and never wait on another
+        replica's probe alone (a replica left unprobed could not be preferred).
         """
-        stale = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
-        if stale:
-            if self._probing is None or self._probing.done():
-                self._probing = asyncio.ensure_future(self._probe_until_answered(stale))
-            try:
-                await asyncio.shield(self._probing)  # (Serve's probe puts its answers in the cache)
-            except Exception:  # no loads to prefer by: load's own choice still follows
-                logger.debug("prefix routing: probing queue lengths failed", exc_info=True)
+        now = time.monotonic()
+        missing = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
+        aging = [r for r in replicas if now - self._probed_at.get(r.replica_id.unique_id, 0.0) > LOAD_REFRESH_S]
+        unprobed = [
+            r
+            for r in {r.replica_id: r for r in missing + aging}.values()
+            if r.replica_id not in self._probes or self._probes[r.replica_id].done()
+        ]
+        if unprobed:
+            probe = asyncio.ensure_future(self._probe_until_answered(unprobed))
+            for replica in unprobed:
+                self._probes[replica.replica_id] = probe
+        if missing:
+            probes = {self._probes[r.replica_id] for r in missing}
+            outcomes = await asyncio.gather(*(asyncio.shield(p) for p in probes), return_exceptions=True)
+            for outcome in outcomes:  # no loads to prefer by: load's own choice still follows
+                if isinstance(outcome, Exception):
+                    logger.debug("prefix routing: probing queue lengths failed", exc_info=outcome)
         loads: dict[str, int] = {}
         for replica in replicas:
             queue_len = self._replica_queue_len_cache.get(replica.replica_id)
@@ -224,12 +254,17 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
         A replica busy streaming can miss the first 0.1 s deadline; left out of the loads it
         could not be preferred, and a conversation's next turn would lose its cached history.
+        Serve's probe puts each answer in the queue-length cache.
         """
         for backoff_index in range(PROBE_ATTEMPTS):
-            unanswered = [r for r in replicas if self._replica_queue_len_cache.get(r.replica_id) is None]
-            if not unanswered:
+            sent_at = time.monotonic()
+            answers = await self._probe_queue_lens(replicas, backoff_index)
+            for replica, queue_len in answers:
+                if queue_len is not None:
+                    self._probed_at[replica.replica_id.unique_id] = sent_at
+            replicas = [replica for replica, queue_len in answers if queue_len is None]
+            if not replicas:
                 return
-            await self._probe_queue_lens(unanswered, backoff_index)
 
     def _by_unique_id(self, unique_id: str | None) -> RunningReplica | None:
         if unique_id is None:

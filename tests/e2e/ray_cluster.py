@@ -78,6 +78,11 @@ class RayCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     @property
+    def haproxy_stats_url(self) -> str:
+        """HAProxy's stats page as CSV: each backend's servers and whether HAProxy holds them up."""
+        return f"http://127.0.0.1:{self.serve_ports['RAY_SERVE_HAPROXY_STATS_PORT']}/stats;csv"
+
+    @property
     def token_path(self) -> Path:
         return self.root / "auth_token"
 

@@ -8,6 +8,8 @@ replica is full, which is exactly when a load test needs to read one.
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import json
 import os
 import pickle
@@ -17,9 +19,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import yaml
 from ray import serve
+from ray.serve._private.haproxy import HAProxyManager
 from ray.util.state import list_actors
 
 from tests.waiting import wait_until
@@ -124,6 +128,31 @@ async def single_replica(deployment: DeploymentName, within_s: float = SETTLE_S)
     await wait_until(lambda: serving_alone(deployment), within_s, f"{deployment} at one running, live replica")
     (replica,) = await live_replicas(deployment)
     return replica
+
+
+async def haproxy_routes_to(stats_url: str, deployment: DeploymentName, count: int) -> bool:
+    """HAProxy holds at least ``count`` of the deployment's replicas up in its app's HTTP backend.
+
+    With direct streaming, a replica Serve runs but HAProxy's configuration does not name yet
+    is one HAProxy cannot pin a request to: the request goes to the fallback proxy, whose own
+    router picks again. Read from HAProxy's stats page.
+    """
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(stats_url)
+    if response.status_code != 200:
+        return False
+    rows = csv.DictReader(io.StringIO(response.text.removeprefix("# ")))
+    # Serve names each server after its replica's actor and each HTTP backend after its app.
+    safe_name = HAProxyManager.get_safe_name
+    server_prefix = safe_name(f"SERVE_REPLICA::{deployment.app_name}#{deployment.deployment_name}#")
+    up = [
+        row
+        for row in rows
+        if row["pxname"] == safe_name(f"http-{deployment.app_name}")
+        and row["svname"].startswith(server_prefix)
+        and row["status"].startswith("UP")
+    ]
+    return len(up) >= count
 
 
 async def live_replicas(deployment: DeploymentName) -> dict[str, str]:

@@ -24,7 +24,15 @@ import pytest
 import yaml
 
 from tests.e2e.apps import application
-from tests.e2e.serve_state import DeploymentName, live_replicas, ongoing_at, running, serve_deploy, serve_deploy_settled
+from tests.e2e.serve_state import (
+    DeploymentName,
+    haproxy_routes_to,
+    live_replicas,
+    ongoing_at,
+    running,
+    serve_deploy,
+    serve_deploy_settled,
+)
 from tests.e2e.simulation import SimulatedEngines
 from tests.waiting import wait_until
 
@@ -77,7 +85,7 @@ async def converse(client: httpx.AsyncClient, n: int) -> list[dict[str, int]]:
 
 @pytest.mark.parametrize("direct_streaming", [False, True], ids=["relay", "direct streaming"])
 async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(
-    sim_app, cluster, tmp_path, direct_streaming
+    sim_app, cluster, ray_cluster, tmp_path, direct_streaming
 ):
     app = sim_app
     config = yaml.safe_load(app.config_path.read_text())
@@ -89,6 +97,11 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
         await serve_deploy(both_path, cluster)
         await wait_until(lambda: running(MODEL, 2), 120, "the prefix app's two model replicas running")
         await wait_until(lambda: healthy(app.origin), 60, "the prefix app answering /health")
+        if direct_streaming:
+            # Until HAProxy's configuration names a new replica, a request pinned to it goes to
+            # the fallback proxy, whose own router (with a table of its own) picks again.
+            stats = ray_cluster.haproxy_stats_url
+            await wait_until(lambda: haproxy_routes_to(stats, MODEL, 2), 60, "HAProxy routing to both replicas")
         limits = httpx.Limits(max_connections=HOT_BURST + CONVERSATIONS)
         async with httpx.AsyncClient(base_url=app.origin, timeout=120, limits=limits) as client:
             conversations = await asyncio.gather(*(converse(client, n) for n in range(CONVERSATIONS)))

@@ -8,12 +8,16 @@ the real router (no replicas, no Ray) and tell it of picks as
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-from serve_app.prefix_routing.router import PrefixAffinityRouter
+from serve_app.prefix_routing.router import CHOSEN_NOT_SENT_S, PICK_DELIVERY_S, PrefixAffinityRouter
 from serve_app.prefix_routing.table import Choice, Decision, RoutingKey
 from serve_app.serve_internals import PickListener
 
@@ -37,14 +41,14 @@ def test_the_router_is_one_the_picker_tells(router: PrefixAffinityRouter) -> Non
 
 
 def test_a_picked_replica_learns_the_prompt(router: PrefixAffinityRouter) -> None:
-    router._routing["picked"] = (KEY, Choice(None, Decision.HOME), time.monotonic())
+    router._routing["picked"] = (KEY, Choice(None, Decision.HOME), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("a"))
     assert router._table.longest_match(KEY.blocks, ["a", "b"]) == (len(KEY.blocks), ("a",))
 
 
 def test_a_pick_counts_as_its_replicas_load_until_probes_can_see_it(router: PrefixAffinityRouter) -> None:
     """Serve's queue-length cache in the picker never sees the request sent: the pick stands in."""
-    router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), time.monotonic())
+    router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("a"))
     loads = {"a": 0, "b": 0}
     running: set[str] = set()
@@ -53,8 +57,46 @@ def test_a_pick_counts_as_its_replicas_load_until_probes_can_see_it(router: Pref
     assert running == {"a"}  # the same prompt: a copy of it may spread
 
 
+def test_a_pick_stops_counting_once_the_replica_has_it(router: PrefixAffinityRouter) -> None:
+    """With direct streaming no end is reported: a pick counted past its delivery would count a
+    request long finished, and a replica serving many short requests would look far busier
+    than it is (its conversations' later turns then left it, losing their cached history)."""
+    picked_at = time.monotonic()
+    router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), picked_at + CHOSEN_NOT_SENT_S)
+    router.on_replica_picked("picked", replica("a"))
+    _, _, counted_until = router._routing["picked"]
+    assert picked_at < counted_until <= time.monotonic() + PICK_DELIVERY_S
+    router._routing["picked"] = (*router._routing["picked"][:2], time.monotonic() - 0.001)  # (delivered)
+    loads = {"a": 0}
+    router._count_choices_not_yet_sent("next", KEY, loads, set())
+    assert loads == {"a": 0}
+
+
+async def test_a_load_known_but_aging_is_probed_again_without_holding_the_request(
+    router: PrefixAffinityRouter,
+) -> None:
+    a = SimpleNamespace(replica_id=replica("a"))
+    router._replica_queue_len_cache.update(a.replica_id, 5)  # in Serve's cache, but never probed here
+    probed = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def probe_queue_lens(replicas: list[Any], backoff_index: int) -> list[tuple[Any, int]]:
+        probed.set()
+        await answer.wait()
+        router._replica_queue_len_cache.update(a.replica_id, 2)
+        return [(a, 2)]
+
+    router._probe_queue_lens = probe_queue_lens
+    assert await router._loads([a]) == {"a": 5}  # the load known, at once
+    await probed.wait()  # (the refresh runs in the background)
+    answer.set()
+    await router._probes[a.replica_id]
+    assert await router._loads([a]) == {"a": 2}  # fresh now: no probe started
+    assert router._probes[a.replica_id].done()
+
+
 def test_a_pick_of_another_replica_than_preferred_is_a_fallback(router: PrefixAffinityRouter) -> None:
-    router._routing["picked"] = (KEY, Choice("a", Decision.AFFINITY, 3), time.monotonic())
+    router._routing["picked"] = (KEY, Choice("a", Decision.AFFINITY, 3), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("b"))
     assert router._routing["picked"][1] == Choice("b", Decision.FALLBACK, 3)
 
@@ -63,3 +105,56 @@ def test_a_pick_of_a_request_with_no_prompt_read_changes_nothing(router: PrefixA
     router.on_replica_picked("routed by load", replica("a"))
     assert len(router._table) == 0
     assert "routed by load" not in router._routing
+
+
+async def test_a_request_that_needs_a_replica_no_probe_asks_probes_it_while_another_replicas_probe_runs(
+    router: PrefixAffinityRouter,
+) -> None:
+    """Requests that arrive together share each replica's probe, but never wait on another
+    replica's probe alone: a replica left unprobed would be no candidate to prefer, and a
+    conversation's next turn would lose the replica holding its history."""
+    probed: list[list[str]] = []
+    answer = asyncio.Event()
+
+    async def probe_queue_lens(replicas: list[Any], backoff_index: int) -> list[tuple[Any, int]]:  # answered later
+        probed.append([r.replica_id.unique_id for r in replicas])
+        await answer.wait()
+        for r in replicas:
+            router._replica_queue_len_cache.update(r.replica_id, 3)
+        return [(r, 3) for r in replicas]
+
+    router._probe_queue_lens = probe_queue_lens
+    a, b = SimpleNamespace(replica_id=replica("a")), SimpleNamespace(replica_id=replica("b"))
+    first = asyncio.ensure_future(router._loads([a]))
+    await asyncio.sleep(0)  # (the first request's probe of a starts)
+    second = asyncio.ensure_future(router._loads([a, b]))
+    await asyncio.sleep(0)
+    answer.set()
+    assert await first == {"a": 3}
+    assert await second == {"a": 3, "b": 3}
+    assert probed == [["a"], ["b"]]  # a once, shared; b by the request that needed it
+
+
+async def test_with_nothing_to_prefer_the_less_busy_of_the_two_candidates_comes_first(
+    router: PrefixAffinityRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Direct streaming's picker takes the first replica of the first rank as it is (Serve compares
+    a rank's loads only when it dispatches): a request load decides goes to the less busy one."""
+    a, b = SimpleNamespace(replica_id=replica("a")), SimpleNamespace(replica_id=replica("b"))
+    router._table.record(KEY.blocks, "a")  # a holds the prompt, but runs far more than b
+    router._replica_queue_len_cache.update(a.replica_id, 30)
+    router._replica_queue_len_cache.update(b.replica_id, 2)
+
+    async def serves_random_pair(self: Any, candidate_replicas: list[Any], pending_request: Any = None) -> Any:
+        return [[a, b]]  # Serve's two random candidates, in the order it drew them
+
+    async def probe_queue_lens(replicas: list[Any], backoff_index: int) -> list[tuple[Any, int]]:
+        return [(r, router._replica_queue_len_cache.get(r.replica_id)) for r in replicas]  # (no change)
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serves_random_pair)
+    router._probe_queue_lens = probe_queue_lens
+    monkeypatch.setattr(router, "_key", lambda pending_request: KEY)
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"))
+    ranks = await router.choose_replicas([a, b], pending)
+    assert router._routing["r"][1] == Choice(None, Decision.FALLBACK, len(KEY.blocks))  # load decides
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b", "a"]]
