@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Per request being routed (by Serve's internal id): its key, what was chosen, and until
         # when the choice counts as its replica's load (Serve's own count does not have it yet).
         self._routing: OrderedDict[str, tuple[RoutingKey, Choice | None, float]] = OrderedDict()
+        # Direct streaming's picks, oldest first: replica, prompt (RoutingKey.whole), counted until.
+        self._recent_picks: deque[tuple[str, bytes, float]] = deque()
         # Requests whose end Serve reported before their routing (a short one may end first).
         self._ended_unrouted: OrderedDict[str, None] = OrderedDict()
         self._metrics = metrics.PrefixRoutingMetrics(model)
@@ -134,23 +136,19 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
         Serve dispatches nothing here, so neither :meth:`on_request_routed` nor
         :meth:`on_request_completed` follows. The table learns the prompt, as for a routed
-        request; the pick counts as the replica's load for ``PICK_DELIVERY_S`` at most (this
-        router's queue-length cache never sees the request sent); no running prompt is
-        recorded, since no end would ever be reported.
+        request; the pick counts as the replica's load for ``PICK_DELIVERY_S`` (this router's
+        queue-length cache never sees the request sent), and no longer: no end is ever reported,
+        and a pick counted for long would count requests long finished (a replica serving many
+        short requests would look many times busier than it is, and lose its conversations). No
+        running prompt is recorded, for the same reason.
         """
-        entry = self._routing.get(internal_request_id)
+        entry = self._routing.pop(internal_request_id, None)
         if entry is None:  # routed by load: no prompt read
             return
-        key, choice, counted_until = entry
+        key, choice, _ = entry
         self._table.record(key.blocks, replica_id.unique_id)
-        decision = _decision(choice, replica_id)
-        matched = 0 if choice is None else choice.matched_blocks
-        # Counted as load until the replica has it, and no longer: no end is ever reported, and a
-        # pick counted for long would count requests long finished (a replica that serves many
-        # short requests would look many times busier than it is, and lose its conversations).
-        counted_until = min(counted_until, time.monotonic() + PICK_DELIVERY_S)
-        self._routing[internal_request_id] = (key, Choice(replica_id.unique_id, decision, matched), counted_until)
-        self._metrics.routed(decision.value, len(self._table))
+        self._recent_picks.append((replica_id.unique_id, key.whole, time.monotonic() + PICK_DELIVERY_S))
+        self._metrics.routed(_decision(choice, replica_id).value, len(self._table))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if internal_request_id in self._routing:
@@ -214,6 +212,13 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             loads[choice.replica] += 1
             if other_key.whole == key.whole:
                 running_same_prompt.add(choice.replica)
+        while self._recent_picks and self._recent_picks[0][2] < now:
+            self._recent_picks.popleft()
+        for replica, whole, _ in self._recent_picks:
+            if replica in loads:
+                loads[replica] += 1
+                if whole == key.whole:
+                    running_same_prompt.add(replica)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests each replica runs, from Serve's queue-length cache; replicas not in it are probed.

@@ -245,12 +245,14 @@ async def serve_replica_id(actor_id: str) -> str:
 
 
 def request_log_lines(
-    session_dir: str, app_name: str, deployment: str = "Ingress", replica: str = "*"
+    session_dir: str, app_name: str, deployment: str = "*", replica: str = "*"
 ) -> dict[str, dict[str, Any]]:
-    """The ingress's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
+    """The app's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
 
-    Read from every ingress replica's Serve log in the session's log directory (or one
-    replica's: its Serve id), as an operator would. Blocking: call it through ``asyncio.to_thread``.
+    Read from the Serve log of every replica of the app (or of one deployment's, or one
+    replica's: its Serve id) in the session's log directory, as an operator would: the ingress
+    writes it, or with direct streaming the model replica that answered. Blocking: call it
+    through ``asyncio.to_thread``.
     """
     lines = {}
     for path in Path(session_dir, "logs", "serve").glob(f"replica_{app_name}_{deployment}_{replica}.log"):

@@ -61,15 +61,16 @@ def test_a_pick_stops_counting_once_the_replica_has_it(router: PrefixAffinityRou
     """With direct streaming no end is reported: a pick counted past its delivery would count a
     request long finished, and a replica serving many short requests would look far busier
     than it is (its conversations' later turns then left it, losing their cached history)."""
-    picked_at = time.monotonic()
-    router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), picked_at + CHOSEN_NOT_SENT_S)
+    router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("a"))
-    _, _, counted_until = router._routing["picked"]
-    assert picked_at < counted_until <= time.monotonic() + PICK_DELIVERY_S
-    router._routing["picked"] = (*router._routing["picked"][:2], time.monotonic() - 0.001)  # (delivered)
+    assert "picked" not in router._routing  # (nothing more will be told of it)
+    ((_, _, counted_until),) = router._recent_picks
+    assert counted_until <= time.monotonic() + PICK_DELIVERY_S
+    router._recent_picks[0] = ("a", KEY.whole, time.monotonic() - 0.001)  # (as PICK_DELIVERY_S later)
     loads = {"a": 0}
     router._count_choices_not_yet_sent("next", KEY, loads, set())
     assert loads == {"a": 0}
+    assert not router._recent_picks
 
 
 async def test_a_load_known_but_aging_is_probed_again_without_holding_the_request(
@@ -96,9 +97,11 @@ async def test_a_load_known_but_aging_is_probed_again_without_holding_the_reques
 
 
 def test_a_pick_of_another_replica_than_preferred_is_a_fallback(router: PrefixAffinityRouter) -> None:
+    decisions: list[str] = []
+    router._metrics = SimpleNamespace(routed=lambda decision, table_size: decisions.append(decision))  # type: ignore[assignment]
     router._routing["picked"] = (KEY, Choice("a", Decision.AFFINITY, 3), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("b"))
-    assert router._routing["picked"][1] == Choice("b", Decision.FALLBACK, 3)
+    assert decisions == ["fallback"]
 
 
 def test_a_pick_of_a_request_with_no_prompt_read_changes_nothing(router: PrefixAffinityRouter) -> None:
