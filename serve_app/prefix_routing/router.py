@@ -25,7 +25,8 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
-from ray.serve._private.common import ReplicaID
+from ray.serve import context as serve_context
+from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
@@ -91,6 +92,7 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Requests whose end Serve reported before their routing (a short one may end first).
         self._ended_unrouted: OrderedDict[str, None] = OrderedDict()
         self._metrics = metrics.PrefixRoutingMetrics(model)
+        self._own_replica = _own_replica(self._deployment_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -100,6 +102,13 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             candidate_replicas=candidate_replicas,
             pending_request=pending_request,
         )
+        if self._own_replica is not None:
+            # A model replica calls its own deployment only to pass on requests its dead engine
+            # cannot take (direct streaming): never to itself; with no other, wait for one.
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id != self._own_replica]
+            by_load = [
+                rank for rank in ([r for r in rank if r.replica_id != self._own_replica] for rank in by_load) if rank
+            ]
         if pending_request is None or not by_load:
             return by_load
         key = self._key(pending_request)
@@ -275,6 +284,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if unique_id is None:
             return None
         return next((r for r in self._replicas_list if r.replica_id.unique_id == unique_id), None)
+
+
+def _own_replica(deployment_id: DeploymentID) -> ReplicaID | None:
+    """This process's replica, when it is one of the routed deployment's replicas."""
+    context = serve_context._get_internal_replica_context()
+    if context is None or context.replica_id.deployment_id != deployment_id:
+        return None
+    return context.replica_id
 
 
 def _decision(choice: Choice | None, replica_id: ReplicaID) -> Decision:

@@ -161,3 +161,38 @@ async def test_with_nothing_to_prefer_the_less_busy_of_the_two_candidates_comes_
     ranks = await router.choose_replicas([a, b], pending)
     assert router._routing["r"][1] == Choice(None, Decision.FALLBACK, len(KEY.blocks))  # load decides
     assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b", "a"]]
+
+
+async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With direct streaming a replica whose engine died passes requests on through its own
+    deployment's handle; sent back to itself they would only be refused and sent again (and the
+    prompt recorded there would draw each retry back)."""
+    context = SimpleNamespace(  # what Serve's replica context says of replica a (and its metrics read)
+        replica_id=replica("a"), app_name=DEPLOYMENT.app_name, deployment=DEPLOYMENT.name, replica_tag="a"
+    )
+    monkeypatch.setattr("ray.serve.context._get_internal_replica_context", lambda: context)
+    router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(model="glm-4-9b-chat")
+    a, b = SimpleNamespace(replica_id=replica("a")), SimpleNamespace(replica_id=replica("b"))
+    router._table.record(KEY.blocks, "a")  # the prompt went to a before its engine died
+    for r in (a, b):
+        router._replica_queue_len_cache.update(r.replica_id, 0)
+
+    async def serves_random_pair(self: Any, candidate_replicas: list[Any], pending_request: Any = None) -> Any:
+        return [[a, b]]
+
+    async def probe_queue_lens(replicas: list[Any], backoff_index: int) -> list[tuple[Any, int]]:
+        return [(r, 0) for r in replicas]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serves_random_pair)
+    router._probe_queue_lens = probe_queue_lens
+    monkeypatch.setattr(router, "_key", lambda pending_request: KEY)
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"))
+    ranks = await router.choose_replicas([a, b], pending)
+    assert ranks and all(r.replica_id.unique_id == "b" for rank in ranks for r in rank), ranks
+
+    async def only_itself(self: Any, candidate_replicas: list[Any], pending_request: Any = None) -> Any:
+        return [[a]]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", only_itself)
+    assert await router.choose_replicas([a], pending) == []  # none other yet: Serve waits for one
