@@ -46,7 +46,7 @@ def test_a_picked_replica_learns_the_prompt(router: PrefixAffinityRouter) -> Non
     assert router._table.longest_match(KEY.blocks, ["a", "b"]) == (len(KEY.blocks), ("a",))
 
 
-def test_a_pick_counts_as_its_replicas_load_until_probes_can_see_it(router: PrefixAffinityRouter) -> None:
+def test_a_pick_counts_as_its_replicas_load_until_the_replica_has_it(router: PrefixAffinityRouter) -> None:
     """Serve's queue-length cache in the picker never sees the request sent: the pick stands in."""
     router._routing["picked"] = (KEY, Choice(None, Decision.BY_LOAD), time.monotonic() + CHOSEN_NOT_SENT_S)
     router.on_replica_picked("picked", replica("a"))
@@ -116,11 +116,11 @@ async def test_a_request_that_needs_a_replica_no_probe_asks_probes_it_while_anot
     """Requests that arrive together share each replica's probe, but never wait on another
     replica's probe alone: a replica left unprobed would be no candidate to prefer, and a
     conversation's next turn would lose the replica holding its history."""
-    probed: list[list[str]] = []
+    probes_started: asyncio.Queue[list[str]] = asyncio.Queue()
     answer = asyncio.Event()
 
     async def probe_queue_lens(replicas: list[Any], backoff_index: int) -> list[tuple[Any, int]]:  # answered later
-        probed.append([r.replica_id.unique_id for r in replicas])
+        probes_started.put_nowait([r.replica_id.unique_id for r in replicas])
         await answer.wait()
         for r in replicas:
             router._replica_queue_len_cache.update(r.replica_id, 3)
@@ -129,13 +129,14 @@ async def test_a_request_that_needs_a_replica_no_probe_asks_probes_it_while_anot
     router._probe_queue_lens = probe_queue_lens
     a, b = SimpleNamespace(replica_id=replica("a")), SimpleNamespace(replica_id=replica("b"))
     first = asyncio.ensure_future(router._loads([a]))
-    await asyncio.sleep(0)  # (the first request's probe of a starts)
+    assert await probes_started.get() == ["a"]  # the first request's probe of a, under way
     second = asyncio.ensure_future(router._loads([a, b]))
-    await asyncio.sleep(0)
+    # b by the request that needed it, a's probe shared (bounded: unprobed, b would never start)
+    assert await asyncio.wait_for(probes_started.get(), 10) == ["b"]
     answer.set()
     assert await first == {"a": 3}
     assert await second == {"a": 3, "b": 3}
-    assert probed == [["a"], ["b"]]  # a once, shared; b by the request that needed it
+    assert probes_started.empty()  # a probed once
 
 
 async def test_with_nothing_to_prefer_the_less_busy_of_the_two_candidates_comes_first(
