@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import ExitStack, aclosing
 from typing import Any, Protocol
 
 import grpc
@@ -112,8 +112,9 @@ class GenerationService:
         )
         writer = ResponseWriter(shape, model=getattr(request, "model", ""))
         try:
-            async for response in self._answer(endpoint, request, metadata, record, writer, context):
-                yield response
+            async with aclosing(self._answer(endpoint, request, metadata, record, writer, context)) as responses:
+                async for response in responses:
+                    yield response
         finally:
             end_record(record, self.observers)
 
@@ -125,49 +126,52 @@ class GenerationService:
         record: RequestRecord,
         writer: ResponseWriter,
         context: GRPCContext,
-    ) -> AsyncIterator[Message]:
+    ) -> AsyncGenerator[Message, None]:
         settings = self.settings
-        try:
-            if settings.api_keys is not None:
-                record.key_id = authenticate(settings.api_keys, metadata)
-            deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
-            if (size := request.ByteSize()) > settings.max_request_body_bytes:
-                raise APIError(
-                    413, f"the request is {size} bytes; the limit is {settings.max_request_body_bytes} bytes"
-                )
-            body = request_body(request)
-            entry, payload = validated(self.router, settings, endpoint, body)
-            record.model, record.request_id = entry.name, payload.request_id
-            if record.keep_content:
-                record.request_body = body
-            on_tokens = await admit_key(settings.key_limits, record.key_id)
-            first, rest = await call_replica(
-                entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s
-            )
-        except APIError as refusal:
-            yield self._end(record, writer, context, refusal)
-            return
-        except Exception as exc:  # a bug here must still end the stream as the API promises
-            logger.exception("unhandled error in the gRPC service", exc_info=exc)
-            yield self._end(record, writer, context, APIError(500, "internal server error", code="internal_error"))
-            return
-        if isinstance(first, Reply):  # refused by the replica before any token (too long a prompt, ...)
-            settle_reply(first, record, on_tokens)
-            yield self._end(record, writer, context, _error_of_reply(first))
-            return
-        error: APIError | None = None
-        # The relay's stream ends after an error event, once it has read the replica's outcome.
-        async with aclosing(stream_sse(first, rest, deadline, record, on_tokens)) as chunks:
-            async for chunk in chunks:
-                if record.first_byte_at is None:
-                    record.first_byte_at = time.monotonic()
-                text = chunk if isinstance(chunk, str) else chunk.decode()
+        with ExitStack() as holding:  # a place among the replica's generation requests, held to the end
+            try:
+                if settings.api_keys is not None:
+                    record.key_id = authenticate(settings.api_keys, metadata)
+                if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
+                    holding.enter_context(settings.generation_slots.hold(record))
+                deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
+                if (size := request.ByteSize()) > settings.max_request_body_bytes:
+                    raise APIError(
+                        413, f"the request is {size} bytes; the limit is {settings.max_request_body_bytes} bytes"
+                    )
+                body = request_body(request)
+                entry, payload = validated(self.router, settings, endpoint, body)
+                record.model, record.request_id = entry.name, payload.request_id
                 if record.keep_content:
-                    record.response_bytes.append(text.encode())
-                response, error = writer.response(text)
-                if response is not None:
-                    yield response
-        yield self._end(record, writer, context, error)
+                    record.request_body = body
+                on_tokens = await admit_key(settings.key_limits, record.key_id)
+                first, rest = await call_replica(
+                    entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s
+                )
+            except APIError as refusal:
+                yield self._end(record, writer, context, refusal)
+                return
+            except Exception as exc:  # a bug here must still end the stream as the API promises
+                logger.exception("unhandled error in the gRPC service", exc_info=exc)
+                yield self._end(record, writer, context, APIError(500, "internal server error", code="internal_error"))
+                return
+            if isinstance(first, Reply):  # refused by the replica before any token (too long a prompt, ...)
+                settle_reply(first, record, on_tokens)
+                yield self._end(record, writer, context, _error_of_reply(first))
+                return
+            error: APIError | None = None
+            # The relay's stream ends after an error event, once it has read the replica's outcome.
+            async with aclosing(stream_sse(first, rest, deadline, record, on_tokens)) as chunks:
+                async for chunk in chunks:
+                    if record.first_byte_at is None:
+                        record.first_byte_at = time.monotonic()
+                    text = chunk if isinstance(chunk, str) else chunk.decode()
+                    if record.keep_content:
+                        record.response_bytes.append(text.encode())
+                    response, error = writer.response(text)
+                    if response is not None:
+                        yield response
+            yield self._end(record, writer, context, error)
 
     def _end(
         self, record: RequestRecord, writer: ResponseWriter, context: GRPCContext, error: APIError | None

@@ -192,9 +192,9 @@ def build_http_app(
     )
     if settings.api_keys is not None:
         middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
-    if settings.generation_limit is not None:  # inside API keys: a refused key takes no place
+    if settings.generation_slots is not None:  # inside API keys: a refused key takes no place
         paths = frozenset(e.path for e in endpoints)
-        middleware.append(Middleware(GenerationCapacity, limit=settings.generation_limit, paths=paths))
+        middleware.append(Middleware(GenerationCapacity, slots=settings.generation_slots, paths=paths))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

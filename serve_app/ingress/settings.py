@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from serve_app.config import AppConfig, CORSConfig
 from serve_app.ingress.auth import APIKeys, load_api_keys
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
 from serve_app.observability.record import Observer, RequestObserver
@@ -34,9 +35,9 @@ class IngressSettings:
     metrics: RequestObserver | None = None
     log_requests: bool = True  # one structured line per generation request
     log_content: bool = False  # ... with the prompt and the completion in it
-    # Direct streaming: most generation requests this model replica holds, queued ones included
-    # (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
-    generation_limit: int | None = None
+    # Direct streaming: the generation requests this model replica holds, queued ones included,
+    # shared by both front doors (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
+    generation_slots: GenerationSlots | None = None
 
     def observers(self) -> list[Observer]:
         """Who is told of each request once it has ended: the metrics, then the log line."""

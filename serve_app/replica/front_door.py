@@ -25,6 +25,7 @@ from serve_app.config import AppConfig, ModelConfig
 from serve_app.grpc_api.methods import GenerationMethods
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.rate_limits import RemoteMethod
 from serve_app.ingress.readiness import ReadinessWatch
 from serve_app.ingress.router import ModelEntry, ModelRouter
@@ -151,7 +152,11 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
         # A request that meets this replica after its engine died goes to the others, and
         # is sent again (for up to ingress.unavailable_retry_s) while they answer
         # `unavailable`, as on the relay path.
-        self.settings = replace(ingress_settings(config, rate_limiter), generation_limit=model.generation_limit())
+        limit = model.generation_limit()
+        self.settings = replace(
+            ingress_settings(config, rate_limiter),
+            generation_slots=GenerationSlots(limit, model.name) if limit is not None else None,
+        )
         self.readiness = ReadinessWatch(
             serve.status,
             serve.get_replica_context().app_name,

@@ -58,6 +58,12 @@ class RunningApp:
     def model_deployment(self) -> str:
         return "model-" + self.model
 
+    @property
+    def direct_streaming(self) -> bool:
+        """Whether its model replicas answer clients themselves (``ingress.direct_streaming``)."""
+        config = application(yaml.safe_load(self.config_path.read_text()), self.name)
+        return bool(config["args"]["ingress"].get("direct_streaming"))
+
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 

@@ -170,7 +170,11 @@ async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp)
     assert result.final.final and result.final.usage.completion_tokens == 8
 
 
-async def test_past_its_queue_a_replica_answers_429_and_health_still_answers(direct: RunningApp) -> None:
+async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_and_health_still_answers(
+    direct: RunningApp,
+) -> None:
+    """HTTP requests and gRPC calls hold places from one count: with HTTP holding them all, a
+    call is refused as an HTTP request is (gRPC's status for the 429, with the retry hint)."""
     limit = TAKES + QUEUES
     async with httpx.AsyncClient(base_url=direct.url, timeout=120) as client:
         async with SimulatedEngines(MODEL).paused():
@@ -185,11 +189,16 @@ async def test_past_its_queue_a_replica_answers_429_and_health_still_answers(dir
             await wait_until(all_held, 30, f"{limit} requests held by the paused engine")
             refused = await client.post("/v1/chat/completions", json=chat(direct.model, 4))
             health = await client.get("/health")
+            async with channel(direct) as grpc_channel:
+                stub = pb_grpc.GenerationStub(grpc_channel)
+                grpc_refused = await call(stub.ChatCompletion, grpc_chat(direct.model, 4), timeout=60)
         answers = await asyncio.gather(*held)
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "overloaded"
     assert health.status_code == 200, health.text
+    assert grpc_refused.code.name == "RESOURCE_EXHAUSTED", grpc_refused.details
+    assert grpc_refused.final.error.code == "overloaded" and grpc_refused.trailing["retry-after"] == "1"
     assert [a.status_code for a in answers] == [200] * limit, [a.text for a in answers]
 
 

@@ -123,6 +123,15 @@ async def seconds_until_answers_resume(app: RunningApp) -> float:
     return time.monotonic() - start
 
 
+async def left(replica: str, app: RunningApp) -> bool:
+    """Whether the replica whose engine failed is gone, as its path has it leave: on the relay
+    path it ends its own process (serve_app.replica.engine_watch; Ray records its worker as
+    died, where a replica Serve stops is killed); with direct streaming it stays, passing on
+    what HAProxy still sends it, until Serve, whose health check of it fails, stops it."""
+    reason = await death_reason(replica)
+    return reason is not None if app.direct_streaming else reason == "WORKER_DIED"
+
+
 def check_cut(streams: list[Stream], grpc_calls: list[Call], waiting: list[Stream]) -> None:
     """Streams under way (their first chunk sent: the engine's first output for them) end with
     one engine_failed error event (gRPC: one final response and INTERNAL); those still waiting
@@ -159,9 +168,7 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
     assert engine_failures(metrics_url, app) - counted_before == failed
     print(f"{failed} requests held by the failed engine each got one engine_failed error")
     print(f"answers resumed {await seconds_until_answers_resume(app):.1f} s after the engine died")
-    # The replica ended its own process (serve_app.replica.engine_watch): Ray records its worker
-    # as died, where a replica Serve stopped after failed health checks is killed (RAY_KILL).
-    assert await death_reason(replica) == "WORKER_DIED"
+    await wait_until(lambda: left(replica, app), 60, "the failed engine's replica gone")
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
@@ -183,7 +190,7 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     """The engine stops producing, with no sign of life, while it holds requests. vLLM's
     ``errored`` flag stays false; the replica's watchdog notices after ``engine_stall_timeout_s``,
     gives every request it holds an ``engine_failed`` error (not a time-out), and the replica
-    leaves; a new one serves."""
+    leaves (see :func:`left`); a new one serves."""
     app = bed.app
     (replica,) = await bed.engines.replicas()
     await bed.engines.control_all(Control.PACE, 5.0)
@@ -198,10 +205,7 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     slowest = max(s.ended_at for s in streams + waiting) - hung_at[0]
     print(f"every request ended {slowest:.1f} s after the engine hung (engine_stall_timeout_s {BED_STALL_TIMEOUT_S})")
 
-    async def left_by_itself() -> bool:  # after its calls' errors went out
-        return await death_reason(replica) == "WORKER_DIED"
-
-    await wait_until(left_by_itself, 60, "the hung replica's own exit")
+    await wait_until(lambda: left(replica, app), 60, "the hung replica gone")  # after its calls' errors went out
     print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
 
 
@@ -209,7 +213,7 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
 async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_and_is_replaced(app, one_replica):
     """The canary for the simulated failure: the real engine-core process is killed (SIGKILL)
     while it generates. Streams it was generating end with an ``engine_failed`` error event,
-    the replica exits by itself, and a new replica answers."""
+    the replica leaves (by itself on the relay path), and a new replica answers."""
     for attempt in (1, 2):
         replica, results = await kill_the_engine_under_streams(app, one_replica)
         cut = 0
@@ -229,7 +233,7 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_an
         await single_replica(one_replica)
     print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
-    assert await death_reason(replica) == "WORKER_DIED"
+    await wait_until(lambda: left(replica, app), 60, "the dead engine's replica gone")
     # Each request the dead engine held was answered once (never sent to another replica).
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
     logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)

@@ -4,8 +4,9 @@ Changing the application's arguments replaces every replica. Streams from client
 that already send their key flow through the replacement and complete in full;
 afterwards every ``/v1/*`` request needs a key, ``/health`` does not, a rotated
 key file takes effect without a restart, and no key is ever written to a log.
-Then per-key rate limits go on with two ingress replicas, which together admit
-exactly the configured rate. Each test deploys the bed as it was when it ends.
+Then per-key rate limits go on with two replicas answering clients (ingress replicas;
+with direct streaming, model replicas), which together admit exactly the configured rate.
+Each test deploys the bed as it was when it ends.
 """
 
 from __future__ import annotations
@@ -149,17 +150,17 @@ def _session_logs() -> Path:
     return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
 
 
-def _ingress_logs_naming(app_name: str, request_ids: list[str]) -> list[Path]:
-    """The app's ingress replicas' log files (Serve writes one per replica) that name any of the requests."""
+def _logs_naming(answering: DeploymentName, request_ids: list[str]) -> list[Path]:
+    """The log files of the replicas answering clients (Serve writes one per replica) that name any of the requests."""
     return [
         path
-        for path in (_session_logs() / "serve").glob(f"replica_{app_name}_Ingress_*.log")
+        for path in (_session_logs() / "serve").glob(f"replica_{answering.app_name}_{answering.deployment_name}_*.log")
         if any(request_id in path.read_text(errors="replace") for request_id in request_ids)
     ]
 
 
-async def _both_ingress_replicas_logged(app_name: str, request_ids: list[str]) -> bool:
-    return len(await asyncio.to_thread(_ingress_logs_naming, app_name, request_ids)) == 2
+async def _both_replicas_logged(answering: DeploymentName, request_ids: list[str]) -> bool:
+    return len(await asyncio.to_thread(_logs_naming, answering, request_ids)) == 2
 
 
 def _check_no_key_is_logged(app) -> None:
@@ -187,29 +188,40 @@ async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
 
 
-async def test_two_ingress_replicas_together_enforce_each_keys_rate_limits(restored, cluster, tmp_path):
+async def test_two_replicas_answering_clients_together_enforce_each_keys_rate_limits(restored, cluster, tmp_path):
+    """Two replicas answer clients (two ingress replicas; with direct streaming two model
+    replicas, each its own front door) and a key's limits hold across both."""
     app, model = restored.app, restored.model
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("\n".join(LIMITED) + "\n")
     config = yaml.safe_load(app.config_path.read_text())
-    ingress = application(config, app.name)["args"]["ingress"]
+    args = application(config, app.name)["args"]
+    ingress = args["ingress"]
     ingress["api_keys"] = {"file": str(keys_file)}
     ingress["rate_limits"] = {"requests_per_minute": REQUESTS_PER_MINUTE, "tokens_per_minute": TOKENS_PER_MINUTE}
-    ingress["deployment"]["num_replicas"] = 2
+    if app.direct_streaming:
+        (model_config,) = args["models"]
+        model_config["deployment"]["num_replicas"] = 2
+        # The checks' requests share one prompt: picked by load (of two), not kept together by it.
+        model_config["prefix_routing"]["enabled"] = False
+        answering = model
+    else:
+        ingress["deployment"]["num_replicas"] = 2
+        answering = DeploymentName(app.name, "Ingress")
     limited = tmp_path / "with-rate-limits.yaml"
     limited.write_text(yaml.safe_dump(config, sort_keys=False))
     await serve_deploy(limited, cluster)
-    ingress_replicas = DeploymentName(app.name, "Ingress")
     await wait_until(lambda: _accepts(app.url, LIMITED[0]), 300, "accepting the new keys")
-    await wait_until(lambda: running(ingress_replicas, 2), 300, "running two ingress replicas")
-    await wait_until(lambda: only_one_running(model), 300, "settled at one model replica")
+    await wait_until(lambda: running(answering, 2), 300, f"running two {answering.deployment_name} replicas")
+    if not app.direct_streaming:
+        await wait_until(lambda: only_one_running(model), 300, "settled at one model replica")
 
-    await _check_requests_per_minute(app)
+    await _check_requests_per_minute(app, answering)
     await _check_tokens_per_minute(app)
 
 
-async def _check_requests_per_minute(app) -> None:
-    """Sent at once through both ingress replicas, twice the limit: the limit gets through, plus
+async def _check_requests_per_minute(app, answering: DeploymentName) -> None:
+    """Sent at once through both answering replicas, twice the limit: the limit gets through, plus
     what the key's bucket refilled while they were answered (a minute's worth, refilling
     continuously: configuration.md), and no more (each replica alone would admit the whole limit)."""
     key = bearer(LIMITED[0])
@@ -224,7 +236,7 @@ async def _check_requests_per_minute(app) -> None:
     responses = await asyncio.gather(*(one(request_id) for request_id in request_ids))
     # Serve writes each replica's access line as the answer ends: wait for them to land.
     await wait_until(
-        lambda: _both_ingress_replicas_logged(app.name, request_ids), 30, "the requests logged by both ingress replicas"
+        lambda: _both_replicas_logged(answering, request_ids), 30, "the requests logged by both answering replicas"
     )
     refilled = math.floor((time.monotonic() - started) * REQUESTS_PER_MINUTE / 60)
     statuses = sorted(r.status_code for r in responses)

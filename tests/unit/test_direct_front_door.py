@@ -14,8 +14,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from serve_app.ingress.capacity import GenerationCapacity
+from serve_app.ingress.capacity import GenerationCapacity, GenerationSlots
 from serve_app.ingress.deadlines import DeadlineExceeded, next_before
+from serve_app.observability.record import ObserveRequests, RequestRecord
 from serve_app.replica.front_door import LocalModel
 
 
@@ -29,7 +30,7 @@ def held_app(release: asyncio.Event, entered: list[str], limit: int) -> Starlett
         return JSONResponse({"status": "ok"})
 
     routes = [Route("/v1/chat/completions", generate, methods=["POST"]), Route("/health", health)]
-    capacity = Middleware(GenerationCapacity, limit=limit, paths=frozenset({"/v1/chat/completions"}))
+    capacity = Middleware(GenerationCapacity, slots=GenerationSlots(limit), paths=frozenset({"/v1/chat/completions"}))
     return Starlette(routes=routes, middleware=[capacity])
 
 
@@ -56,6 +57,21 @@ async def test_past_its_limit_a_generation_request_gets_the_overloaded_429_and_o
     }
     assert health.status_code == 200
     assert [a.status_code for a in answers] == [200, 200] and after.status_code == 200
+
+
+def test_a_refused_request_is_counted_against_the_replicas_model() -> None:
+    """Its body is never read, but the replica serves one model: the refusal's metrics carry it."""
+    records: list[RequestRecord] = []
+    routes = [Route("/v1/chat/completions", lambda request: JSONResponse({}), methods=["POST"])]
+    middleware = [
+        Middleware(ObserveRequests, paths={"/v1/chat/completions": "chat"}, observers=[records.append]),
+        Middleware(
+            GenerationCapacity, slots=GenerationSlots(0, "glm-4-9b-chat"), paths=frozenset(["/v1/chat/completions"])
+        ),
+    ]
+    client = TestClient(Starlette(routes=routes, middleware=middleware))
+    assert client.post("/v1/chat/completions", json={}).status_code == 429
+    assert [(r.status, r.model) for r in records] == [(429, "glm-4-9b-chat")]
 
 
 def test_a_get_or_another_path_never_takes_a_place() -> None:

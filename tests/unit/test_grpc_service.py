@@ -14,6 +14,7 @@ from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
 from serve_app.ingress.auth import APIKeys
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits, RateLedger
 from serve_app.ingress.readiness import Readiness
@@ -62,7 +63,11 @@ def chunk(text: str, tokens: int, finish_reason: str | None = None) -> str:
 
 
 def service(
-    items: list[Any], limits: TimeLimits | None = None, key_limits: KeyLimits | None = None, keys: bool = False
+    items: list[Any],
+    limits: TimeLimits | None = None,
+    key_limits: KeyLimits | None = None,
+    keys: bool = False,
+    slots: GenerationSlots | None = None,
 ) -> tuple[GenerationService, FakeHandle, RecordingMetrics]:
     handle = FakeHandle([items])
     router = ModelRouter({MODEL: ModelEntry(MODEL, handle, 1024)})
@@ -75,6 +80,7 @@ def service(
         key_limits=key_limits,
         metrics=metrics,
         log_requests=False,
+        generation_slots=slots,
     )
     readiness = FixedReadiness(Readiness({MODEL: True}, age_s=0.5, max_age_s=30))
     return GenerationService(router, settings, default_endpoints(), readiness), handle, metrics
@@ -131,6 +137,35 @@ def test_a_key_past_its_rate_limit_is_resource_exhausted_with_the_retry_hint():
     assert trailing["request_id"] == "abc"  # Serve's own entry is kept
     assert int(trailing["retry-after"]) >= 1
     assert trailing["grpc-retry-pushback-ms"] == str(int(trailing["retry-after"]) * 1000)
+
+
+def test_with_the_replicas_places_all_held_a_call_is_resource_exhausted_overloaded_and_takes_none():
+    """Direct streaming: gRPC calls and HTTP requests hold places from the same count; when the
+    HTTP side holds them all, a call is refused as the HTTP door refuses (429 overloaded)."""
+    slots = GenerationSlots(limit=1, model=MODEL)
+    svc, handle, metrics = service([Reply(200, b"{}")], slots=slots)
+    context = FakeContext()
+    with slots.hold():  # an HTTP request in the replica
+        (final,) = run(svc, request(), context)
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and final.error.code == "overloaded"
+    assert dict(context.trailing)["retry-after"] == "1" and handle.payloads == []
+    assert (metrics.records[0].status, metrics.records[0].model) == (429, MODEL)  # counted against its model
+    run(svc, request(), FakeContext())  # the place is free again: this one reaches the replica
+    assert len(handle.payloads) == 1 and slots.held == 0
+
+
+def test_a_call_holds_its_place_until_its_stream_ends():
+    slots = GenerationSlots(limit=1)
+    outcome = Outcome(3, 2, ("stop",))
+    svc, _, _ = service([chunk("He", 1), chunk("y", 2, "stop"), "data: [DONE]\n\n", outcome], slots=slots)
+
+    async def read() -> list[int]:
+        held = []
+        async for _ in svc.chat_completion(request(), FakeContext()):
+            held.append(slots.held)
+        return held + [slots.held]
+
+    assert asyncio.run(read()) == [1, 1, 1, 0]
 
 
 def test_no_key_is_unauthenticated():
