@@ -448,7 +448,9 @@ class IngressConfig(_Strict):
         description="Answers stream from the model replica to the client through Serve's HAProxy, not "
         "through an ingress replica: each model replica runs this ingress's HTTP app itself, and a "
         "replica-picker deployment chooses the replica for each request. Needs Serve's HAProxy and "
-        "exactly one model; ingress.deployment is then unused (docs/architecture.md, record 14).",
+        "exactly one model; ingress.deployment is then unused. On in every shipped config; false "
+        "relays answers through ingress replicas, for several models in one application "
+        "(docs/architecture.md, record 14).",
     )
 
     cors: CORSConfig | None = Field(default=None, description="Off unless set: no CORS headers are sent.")

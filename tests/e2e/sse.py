@@ -35,9 +35,11 @@ def parse_events(text: str) -> list[str]:
     return payloads
 
 
-async def post_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Stream:
+async def post_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Stream:
     """POST and read the whole stream."""
-    async with client.stream("POST", path, json=body) as response:
+    async with client.stream("POST", path, json=body, headers=headers) as response:
         stream = Stream(response.status_code, response.headers)
         body_bytes = await response.aread()
         if response.status_code == 200:

@@ -16,10 +16,8 @@ tests/e2e/test_prefix_routing.py's.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +28,7 @@ from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.serve_internals import ReplicaEndpoint, pick_replica
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import RunningApp, application
+from tests.e2e.beside_the_bed import QUEUES, TAKES, deployed_beside_the_bed, small_queue_variant
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import (
@@ -49,49 +48,15 @@ from tests.waiting import wait_until
 
 NAME, ROUTE = "direct", "/direct"
 MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
-TAKES, QUEUES = 2, 2  # the direct app's max_ongoing_requests and max_queued_requests: 4 requests at most
-
-
-def direct_app(base: dict[str, Any]) -> dict[str, Any]:
-    """The bed's application under another name and route, answering clients from its model replica."""
-    app = copy.deepcopy(base)
-    app["name"], app["route_prefix"] = NAME, ROUTE
-    app["args"]["ingress"]["direct_streaming"] = True
-    (model,) = app["args"]["models"]
-    model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
-    return app
 
 
 @pytest.fixture(scope="module")
 async def direct(
     sim_app: RunningApp, cluster: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[RunningApp]:
-    config = yaml.safe_load(sim_app.config_path.read_text())
-    config["applications"].append(direct_app(application(config, sim_app.name)))
-    path = tmp_path_factory.mktemp("direct") / "with-direct-app.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    try:
-        await serve_deploy(path, cluster)
-        await wait_until(lambda: running(MODEL, 1), 120, "the direct app's model replica running")
-        app = RunningApp(
-            NAME,
-            sim_app.origin,
-            ROUTE,
-            sim_app.grpc_target,
-            sim_app.model,
-            sim_app.model_path,
-            sim_app.log_path,
-            path,
-        )
-        await wait_until(lambda: _healthy(app), 60, "the direct app answering /health")
+    variant = small_queue_variant(sim_app, NAME, ROUTE, direct_streaming=True)
+    async with deployed_beside_the_bed(sim_app, cluster, tmp_path_factory.mktemp(NAME), variant, [MODEL]) as app:
         yield app
-    finally:
-        await serve_deploy_settled(sim_app.config_path, cluster)  # the direct app goes
-
-
-async def _healthy(app: RunningApp) -> bool:
-    async with httpx.AsyncClient(timeout=10) as client:
-        return (await client.get(f"{app.url}/health")).status_code == 200
 
 
 async def test_the_model_replica_is_the_applications_ingress_and_nothing_relays(direct: RunningApp) -> None:

@@ -212,11 +212,17 @@ def test_autoscaling_is_on_and_no_worker_is_killed_before_its_replicas_drained(n
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
-def test_api_keys_come_from_a_required_secret_where_the_ingress_runs(name):
-    """The serve config's key file is a mounted Secret on the CPU workers, where the ingress runs."""
+@pytest.mark.parametrize("group", ["cpu", "gpu"])
+def test_api_keys_come_from_a_required_secret_where_clients_are_answered(name, group):
+    """The serve config's key file is a mounted Secret where replicas answer clients: the CPU
+    workers, where the ingress runs, and the GPU workers, whose model replicas answer clients
+    themselves with direct streaming (as the shipped config has it)."""
     (rayservice,) = rayservices(name)
-    keys_file = Path(app_args(rayservice)["ingress"]["api_keys"]["file"])
-    spec = worker_groups(rayservice)["cpu"]["template"]["spec"]
+    ingress = app_args(rayservice)["ingress"]
+    if group == "gpu":
+        assert ingress["direct_streaming"] is True
+    keys_file = Path(ingress["api_keys"]["file"])
+    spec = worker_groups(rayservice)[group]["template"]["spec"]
     (container,) = spec["containers"]
     (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == keys_file.parent]
     assert mount["readOnly"] is True
