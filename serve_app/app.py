@@ -14,6 +14,7 @@ in :mod:`serve_app.config`; they act in the deployments.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 from ray.serve import Application, Deployment
@@ -22,7 +23,9 @@ from serve_app.config import AppConfig, parse_app_config
 from serve_app.ingress.deployment import Ingress
 from serve_app.ingress.rate_limits import RateLimiter
 from serve_app.replica.deployment import ModelServer
-from serve_app.serve_internals import with_ingress_request_router
+from serve_app.serve_internals import haproxy_enabled, with_ingress_request_router
+
+logger = logging.getLogger("ray.serve")
 
 
 def deployment(cls: type) -> Deployment:
@@ -48,7 +51,13 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def direct_streaming_app(config: AppConfig, rate_limiter: Application | None) -> Application:
-    """The model deployment as the application's ingress, with the ReplicaPicker HAProxy asks."""
+    """The model deployment as the application's ingress, with the ReplicaPicker HAProxy asks.
+
+    Without Serve's HAProxy (Ray started without deploy/cluster.env, as by a bare ``serve
+    run``) Serve refuses an ingress request router: the model deployment is then the ingress
+    alone, and Serve's Python proxy carries each answer from the replica its request router
+    (prefix-aware) picked, still without an ingress replica in between.
+    """
     from serve_app.replica.front_door import DirectModelServer
     from serve_app.replica_picker import ReplicaPicker
 
@@ -58,4 +67,10 @@ def direct_streaming_app(config: AppConfig, rate_limiter: Application | None) ->
         .options(name=model.deployment_name, **model.resolved_direct_deployment(config.ingress.request_timeout_s))
         .bind(model, config, rate_limiter)
     )
+    if not haproxy_enabled():
+        logger.warning(
+            "ingress.direct_streaming without Serve's HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, deploy/cluster.env): "
+            "answers go through Serve's Python proxy"
+        )
+        return server
     return with_ingress_request_router(server, deployment(ReplicaPicker).bind(server))

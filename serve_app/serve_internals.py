@@ -42,6 +42,15 @@ def with_ingress_request_router(ingress: Application, router: Application) -> Ap
     return ingress._with_ingress_request_router(router)
 
 
+def haproxy_enabled() -> bool:
+    """Whether Serve runs HAProxy in this cluster (``RAY_SERVE_ENABLE_HA_PROXY`` where Ray started,
+    which the process building the application inherits): Serve refuses an ingress request
+    router without it."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
+    return RAY_SERVE_ENABLE_HA_PROXY
+
+
 @runtime_checkable
 class PickListener(Protocol):
     """A request router that wants to know the replica picked for a request nobody dispatches

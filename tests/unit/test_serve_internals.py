@@ -62,3 +62,12 @@ def test_serve_tells_a_request_router_only_of_dispatched_requests_so_a_pick_is_t
     assert "self._event_loop = event_loop" in inspect.getsource(AsyncioRouter.__init__)
     assert isinstance(inspect.getattr_static(AsyncioRouter, "request_router"), property)
     assert "_request_metadata" in {field.name for field in dataclasses.fields(ReplicaSelection)}
+
+
+def test_serve_refuses_an_ingress_request_router_without_the_haproxy_flag_the_app_reads() -> None:
+    """build_app leaves the picker out when this flag is off, as Serve would refuse it then."""
+    from ray.serve._private import build_app
+
+    source = inspect.getsource(build_app.build_app)
+    assert "ingress_request_router is not None and not RAY_SERVE_ENABLE_HA_PROXY" in source
+    assert serve_internals.haproxy_enabled() is constants.RAY_SERVE_ENABLE_HA_PROXY

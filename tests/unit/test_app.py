@@ -1,0 +1,29 @@
+"""What build_app binds for a shipped config: the data path it describes, and the parts it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app import app as app_module
+from tests.unit.test_config import app_args
+
+
+@pytest.mark.parametrize("haproxy", [True, False], ids=["with HAProxy", "without HAProxy"])
+def test_direct_streaming_makes_the_model_deployment_the_ingress_and_asks_the_picker_only_with_haproxy(
+    monkeypatch: pytest.MonkeyPatch, haproxy: bool
+) -> None:
+    """With Serve's HAProxy the ReplicaPicker is the model deployment's ingress request router;
+    without it (a bare `serve run`) Serve would refuse one, so the model deployment is the ingress
+    alone and Serve's Python proxy routes to it."""
+    monkeypatch.setattr(app_module, "haproxy_enabled", lambda: haproxy)
+    application = app_module.build_app(app_args("config.sim.yaml"))
+    assert application._bound_deployment.name == "model-glm-4-9b-chat"
+    router = application._ingress_request_router
+    assert (router._bound_deployment.name if router is not None else None) == ("ReplicaPicker" if haproxy else None)
+
+
+def test_the_relay_path_puts_the_ingress_in_front_of_the_model_deployment() -> None:
+    args = app_args("config.sim.yaml")
+    args["ingress"]["direct_streaming"] = False
+    application = app_module.build_app(args)
+    assert application._bound_deployment.name == "Ingress" and application._ingress_request_router is None
