@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
@@ -128,6 +129,7 @@ def runtime_env_vars(application: dict[str, Any]) -> dict[str, str]:
 @contextmanager
 def running(server: ServerCommand, log_path: Path) -> Iterator[subprocess.Popen]:
     """The server's process, started and healthy; stopped (its whole process group) on leaving."""
+    started_at = time.time()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             server.argv,
@@ -142,6 +144,7 @@ def running(server: ServerCommand, log_path: Path) -> Iterator[subprocess.Popen]
         yield proc
     finally:
         stop(proc)
+        stop_haproxy_started_since(started_at)
 
 
 def wait_until_healthy(server: ServerCommand, proc: subprocess.Popen, log_path: Path) -> None:
@@ -171,6 +174,19 @@ def stop(proc: subprocess.Popen, timeout_s: float = 90) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def stop_haproxy_started_since(started_at: float) -> None:
+    """Kill the HAProxy processes Serve started for this server: its manager starts each in a
+    session of its own, so the process group's kill misses them, and one left listening takes
+    the next server's stats and metrics ports (8404, 9101), which fails its HAProxy's start."""
+    for process in psutil.process_iter(["name", "create_time"]):
+        if process.info["name"] == "haproxy" and process.info["create_time"] >= started_at:
+            try:
+                process.kill()
+                process.wait(timeout=10)
+            except psutil.NoSuchProcess:
+                pass
 
 
 def tail(path: Path, lines: int = 40) -> str:
