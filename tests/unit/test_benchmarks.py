@@ -349,3 +349,55 @@ def test_the_grammar_cost_benchmark_times_each_token_of_a_walk_with_both_backend
         done = walk(backend(name, tokenizer), SCHEMAS["enum_const"], 0, tokenizer.eos_token_id, 200)
         # A bounded schema: the walk ends well within its 200 tokens, each one timed.
         assert done.ended and done.compile_s > 0 and 1 < len(done.step_s) < 200 and all(s > 0 for s in done.step_s)
+
+
+def test_the_load_clients_share_one_tls_context_and_ignore_the_proxy_environment(monkeypatch):
+    """A level's first wave makes its clients one after another in the loop that times the
+    streams; each loading the CA bundle and the proxy environment (43 ms here) delayed the
+    first tokens of the streams made before it."""
+    import ssl
+
+    from benchmarks.load import Clients
+
+    made = []
+    create = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(1) or create(*a, **k))
+    clients = Clients("http://127.0.0.1:1", {})
+    acquired = [clients.acquire() for _ in range(64)]
+    assert len(made) == 1 and len(set(map(id, acquired))) == 64
+    assert not any(client.trust_env for client in acquired)
+
+
+# What Serve's HAProxy manager writes for an application with an ingress request router
+# (Ray 2.60's haproxy_templates.py and ingress_request_router.lua.tmpl), cut to the lines read.
+HAPROXY_CONFIG = """\
+frontend http_frontend
+    bind *:8000
+backend http-glm
+    server SERVE_REPLICA_glm-model-glm-4-9b-chat-bbana2ye 127.0.0.1:30001 check observe layer4
+    server SERVE_PROXY_ACTOR-fallback-d83 127.0.0.1:8500 check
+backend http-glm-via-ingress-request-router
+    server SERVE_REPLICA_glm-model-glm-4-9b-chat-bbana2ye 127.0.0.1:30001 track http-glm/SERVE_REPLICA_glm
+backend grpc-glm
+    server SERVE_REPLICA_glm-model-glm-4-9b-chat-bbana2ye 127.0.0.1:40000 check
+"""
+LUA_SCRIPT = """\
+local SESSION_HEADER = ""
+local ROUTERS = {
+    ["http-glm"] = { { host = "127.0.0.1", port = 30000, host_header = "127.0.0.1:30000" } }
+}
+local REPLICA_TARGETS = {
+    ["http-glm"] = { ["SERVE_REPLICA::glm#model#b"] = "SERVE_REPLICA_glm-model-glm-4-9b-chat-bbana2ye" }
+}
+"""
+
+
+def test_the_first_token_paths_ports_are_read_from_serves_haproxy_files():
+    from benchmarks.first_token_path import picker_port, replica_port
+
+    assert replica_port(HAPROXY_CONFIG) == 30001  # the HTTP backends' replica, not its gRPC port
+    assert picker_port(LUA_SCRIPT) == 30000
+    with pytest.raises(SystemExit, match="one model replica"):
+        replica_port(HAPROXY_CONFIG.replace("30001 track", "30005 track"))
+    with pytest.raises(SystemExit, match="no router port"):
+        picker_port("local ROUTERS = {\n}\n")
