@@ -476,6 +476,14 @@ class IngressConfig(_Strict):
         description="Most choices (n) one request may ask for: each is its own sequence in the engine's "
         "batch, so one request cannot take a replica's whole batch; more is a 400.",
     )
+    max_sequences_per_request: int = Field(
+        default=8,
+        ge=1,
+        description="Most sequences one request may start in the engine: its prompts (a /v1/completions "
+        "prompt may be a list) times its choices (n). Serve's concurrency limits and the autoscaler count "
+        "a request as one, so this bounds what one request can take of a replica's batch; more is a 400 "
+        "naming prompt or n. At most every model's engine_args.max_num_seqs.",
+    )
     health_max_age_s: float = Field(
         default=30.0,
         gt=0,
@@ -549,6 +557,18 @@ class AppConfig(_Strict):
     def _direct_streaming_serves_one_model(self) -> AppConfig:
         if self.ingress.direct_streaming and len(self.models) != 1:
             raise ValueError("ingress.direct_streaming serves exactly one model: give each model its own application")
+        return self
+
+    @model_validator(mode="after")
+    def _a_request_fits_in_a_batch(self) -> AppConfig:
+        limit = self.ingress.max_sequences_per_request
+        for i, model in enumerate(self.models):
+            batch = model.engine_args.get("max_num_seqs")
+            if isinstance(batch, int) and limit > batch:
+                raise ValueError(
+                    f"ingress.max_sequences_per_request ({limit}) is above models.{i}.engine_args.max_num_seqs "
+                    f"({batch}): one request could ask for more sequences than a replica runs at once"
+                )
         return self
 
     @model_validator(mode="after")

@@ -185,6 +185,28 @@ HOSTILE: list[Hostile] = [
     Hostile(
         "completion echo 'no'", encoded({"model": MODEL, "prompt": "hi", "echo": "no"}), 400, "echo", COMPLETION_PATH
     ),
+    # Engine sequences: prompts x choices, at most ingress.max_sequences_per_request (8)
+    Hostile(
+        "completion of 64 prompts with n 8 (512 sequences)",
+        encoded({"model": MODEL, "prompt": ["hi"] * 64, "n": 8, "max_tokens": 4}),
+        400,
+        "prompt",
+        COMPLETION_PATH,
+    ),
+    Hostile(
+        "completion of 9 token-id prompts",
+        encoded({"model": MODEL, "prompt": [[1, 2]] * 9, "max_tokens": 4}),
+        400,
+        "prompt",
+        COMPLETION_PATH,
+    ),
+    Hostile(
+        "large body, 3 prompts with n 3",
+        padded({"model": MODEL, "prompt": ["hi"] * 3, "n": 3, "max_tokens": 4}),
+        400,
+        "prompt",
+        COMPLETION_PATH,
+    ),
     # Routes
     Hostile("GET on a POST route", b"", 405, method="GET"),
     Hostile("unknown route", encoded(chat()), 404, path="/v1/chat/complete"),

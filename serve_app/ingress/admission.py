@@ -20,7 +20,7 @@ from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
-from serve_app.ingress.validation import check_choices, check_output_fits, parse_request
+from serve_app.ingress.validation import check_choices, check_output_fits, check_sequences, parse_request, prompt_count
 from serve_app.protocol import GenerationRequest
 
 
@@ -49,14 +49,16 @@ def validated(
     """The model entry and the validated request of a decoded ``body``: 404 before any 400."""
     entry = router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    check_limits(body, entry, settings)
+    check_limits(body, entry, settings, prompt_count(body))
     return entry, payload
 
 
-def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings) -> None:
-    """The server's own limits on one answer: its tokens and its choices."""
+def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, prompts: int) -> None:
+    """The server's own limits on one request: its answer's tokens, its choices, and the sequences
+    its ``prompts`` and choices start in the engine."""
     check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
     check_choices(body, settings.max_n)
+    check_sequences(body, prompts, settings.max_sequences)
 
 
 async def admit_key(limits: KeyLimits | None, key_id: str | None) -> TokenCounter | None:

@@ -25,6 +25,7 @@ class IngressSettings:
     time_limits: TimeLimits
     body_timeout_s: float = 30.0  # longest a client may take to send its body
     max_n: int = 8  # most choices one request may ask for
+    max_sequences: int = 8  # most engine sequences one request may start: prompts x choices
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
@@ -62,6 +63,7 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
         max_request_body_bytes=config.ingress.max_request_body_bytes,
         body_timeout_s=config.ingress.body_timeout_s,
         max_n=config.ingress.max_n,
+        max_sequences=config.ingress.max_sequences_per_request,
         time_limits=TimeLimits(
             request_timeout_s=config.ingress.request_timeout_s,
             first_token_timeout_s=config.ingress.first_token_timeout_s,

@@ -197,6 +197,33 @@ def check_choices(body: dict[str, Any], max_n: int) -> None:
         raise APIError(400, f"n is {n}; this server answers at most {max_n} choices per request", param="n")
 
 
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a request carries: a /v1/completions ``prompt`` may be a list of texts or
+    of token-id lists, each its own prompt (a list of token ids is one prompt); chat has one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
+def check_sequences(body: dict[str, Any], prompts: int, max_sequences: int) -> None:
+    """Each prompt's each choice is a sequence in the engine's batch, while Serve's limits and
+    the autoscaler count the request as one: a request may start at most ``max_sequences``."""
+    n = body.get("n")
+    choices = n if type(n) is int and n > 0 else 1
+    sequences = prompts * choices
+    if sequences <= max_sequences:
+        return
+    if prompts == 1:
+        raise APIError(400, f"n is {n}; this server runs at most {max_sequences} sequences per request", param="n")
+    asked = f"{prompts} prompts" + (f" with n {choices}" if choices > 1 else "")
+    raise APIError(
+        400,
+        f"prompt has {asked}, {sequences} sequences; this server runs at most {max_sequences} per request",
+        param="prompt",
+    )
+
+
 def check_roles(messages: Any) -> None:
     if not isinstance(messages, list):
         raise APIError(400, "messages must be an array of messages", param="messages")

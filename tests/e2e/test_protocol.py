@@ -77,6 +77,18 @@ async def test_completions_unary(app, client):
     assert answer["usage"]["completion_tokens"] == 5
 
 
+async def test_completions_of_several_prompts_answer_up_to_the_sequences_a_request_may_start(app, client):
+    """Two prompts with n 4 start 8 engine sequences, ingress.max_sequences_per_request: each is answered;
+    one more prompt is a 400 naming ``prompt`` (the hostile table has the larger cases)."""
+    body = {"model": app.model, "prompt": ["Once upon", "a time"], "n": 4, "max_tokens": 3, "min_tokens": 3}
+    answer = (await client.post("/v1/completions", json=body)).json()
+    assert sorted(c["index"] for c in answer["choices"]) == list(range(8))
+    assert answer["usage"]["completion_tokens"] == 8 * 3
+    over = await client.post("/v1/completions", json=body | {"prompt": ["Once upon", "a", "time"]})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "prompt"
+    assert "12 sequences" in over.json()["error"]["message"] and "at most 8" in over.json()["error"]["message"]
+
+
 async def test_completions_stream(app, client):
     body = {
         "model": app.model,

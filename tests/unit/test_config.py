@@ -344,3 +344,11 @@ def test_with_direct_streaming_the_replica_takes_past_its_generation_limit_and_e
     unbounded = parse_app_config(minimal()).models[0]  # Serve's default queue: unbounded
     assert unbounded.generation_limit() is None
     assert unbounded.resolved_direct_deployment()["max_ongoing_requests"] == 8 + DIRECT_REQUESTS_HEADROOM
+
+
+def test_a_request_may_not_ask_for_more_sequences_than_a_replica_batches():
+    config = minimal(engine_args={"model": "m", "max_num_seqs": 4})
+    with pytest.raises(ConfigError, match=r"max_sequences_per_request \(8\) is above models\.0\.engine_args"):
+        parse_app_config(config)
+    allowed = parse_app_config(config | {"ingress": {"max_sequences_per_request": 4}})
+    assert allowed.ingress.max_sequences_per_request == 4

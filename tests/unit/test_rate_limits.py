@@ -208,7 +208,7 @@ def test_a_stream_cut_short_or_with_a_broken_usage_chunk_has_no_outcome():
 
 
 def config_with(ingress: dict[str, Any]) -> AppConfig:
-    model = {"name": "m", "engine_args": {"model": "x", "max_num_seqs": 4}}
+    model = {"name": "m", "engine_args": {"model": "x", "max_num_seqs": 8}}
     return parse_app_config({"models": [model], "ingress": ingress})
 
 

@@ -218,3 +218,44 @@ def test_every_body_the_hostile_benchmark_sends_is_refused_by_the_ingress(app):
         response = client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
         assert response.status_code == 400, (name, response.text[:200])
     assert len(handle.payloads) == sent
+
+
+@pytest.mark.parametrize(
+    ("body", "prompts"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, 1),
+        ({"prompt": "hi"}, 1),
+        ({"prompt": [1, 2, 3]}, 1),  # token ids: one prompt
+        ({"prompt": ["a", "b", "c"]}, 3),
+        ({"prompt": [[1], [2]]}, 2),
+        ({"prompt": []}, 1),  # vLLM refuses it; counted as one, never as none
+    ],
+    ids=["chat", "text", "token ids", "texts", "token-id lists", "empty list"],
+)
+def test_a_request_carries_its_prompts(body, prompts):
+    from serve_app.ingress.validation import prompt_count
+
+    assert prompt_count(body) == prompts
+
+
+@pytest.mark.parametrize(
+    ("prompts", "n", "param", "message"),
+    [
+        (64, 8, "prompt", "prompt has 64 prompts with n 8, 512 sequences; this server runs at most 8 per request"),
+        (9, None, "prompt", "prompt has 9 prompts, 9 sequences; this server runs at most 8 per request"),
+        (1, 9, "n", "n is 9; this server runs at most 8 sequences per request"),
+    ],
+)
+def test_a_request_over_its_sequences_is_400_naming_what_makes_them(prompts, n, param, message):
+    from serve_app.ingress.validation import check_sequences
+
+    with pytest.raises(APIError) as refused:
+        check_sequences({"n": n} if n is not None else {}, prompts, max_sequences=8)
+    assert (refused.value.status, refused.value.param, refused.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(("prompts", "n"), [(8, 1), (4, 2), (2, 4), (1, 8), (1, None)])
+def test_a_request_within_its_sequences_passes(prompts, n):
+    from serve_app.ingress.validation import check_sequences
+
+    check_sequences({"n": n}, prompts, max_sequences=8)
