@@ -484,6 +484,19 @@ class IngressConfig(_Strict):
         "a request as one, so this bounds what one request can take of a replica's batch; more is a 400 "
         "naming prompt or n. At most every model's engine_args.max_num_seqs.",
     )
+    allow_beam_search: bool = Field(
+        default=False,
+        description="Whether a request may set vLLM's use_beam_search: beam search keeps n beams per "
+        "request alive through the whole answer; off, it is a 400.",
+    )
+    max_prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="Most prompt_logprobs (vLLM's log-probabilities of every prompt token) a request may "
+        "ask for; unset, prompt_logprobs is a 400: it computes a vocabulary-wide distribution per prompt "
+        "token, which on long prompts can run the engine out of memory.",
+    )
     health_max_age_s: float = Field(
         default=30.0,
         gt=0,

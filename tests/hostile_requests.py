@@ -207,6 +207,18 @@ HOSTILE: list[Hostile] = [
         "prompt",
         COMPLETION_PATH,
     ),
+    # vLLM's costly extensions, off unless the config allows them; a text-only model's refusals
+    Hostile("use_beam_search", encoded(chat(use_beam_search=True)), 400, "use_beam_search"),
+    Hostile(
+        "completion prompt_logprobs 20",
+        encoded({"model": MODEL, "prompt": "hi", "prompt_logprobs": 20, "max_tokens": 4}),
+        400,
+        "prompt_logprobs",
+        COMPLETION_PATH,
+    ),
+    Hostile("large body, prompt_logprobs -1", padded(chat(prompt_logprobs=-1)), 400, "prompt_logprobs"),
+    Hostile("mm_processor_kwargs", encoded(chat(mm_processor_kwargs={"num_crops": 4})), 400, "mm_processor_kwargs"),
+    Hostile("ec_transfer_params", encoded(chat(ec_transfer_params={"a": 1})), 400, "ec_transfer_params"),
     # Routes
     Hostile("GET on a POST route", b"", 405, method="GET"),
     Hostile("unknown route", encoded(chat()), 404, path="/v1/chat/complete"),

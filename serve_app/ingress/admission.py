@@ -20,7 +20,14 @@ from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
-from serve_app.ingress.validation import check_choices, check_output_fits, check_sequences, parse_request, prompt_count
+from serve_app.ingress.validation import (
+    check_choices,
+    check_extensions,
+    check_output_fits,
+    check_sequences,
+    parse_request,
+    prompt_count,
+)
 from serve_app.protocol import GenerationRequest
 
 
@@ -54,11 +61,12 @@ def validated(
 
 
 def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, prompts: int) -> None:
-    """The server's own limits on one request: its answer's tokens, its choices, and the sequences
-    its ``prompts`` and choices start in the engine."""
+    """The server's own limits on one request: its answer's tokens, its choices, the sequences
+    its ``prompts`` and choices start in the engine, and the costly extensions it asks for."""
     check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
     check_choices(body, settings.max_n)
     check_sequences(body, prompts, settings.max_sequences)
+    check_extensions(body, settings.allow_beam_search, settings.max_prompt_logprobs)
 
 
 async def admit_key(limits: KeyLimits | None, key_id: str | None) -> TokenCounter | None:

@@ -54,6 +54,10 @@ REFUSED_VLLM_PARAMS = {
         "kv_transfer_params is for vLLM's disaggregated prefill, which this server does not run; "
         "its prompt_token_ids would skip the chat template"
     ),
+    "ec_transfer_params": "ec_transfer_params is for vLLM's disaggregated encoders, which this server does not run",
+} | {
+    name: f"{name} is for multimodal models; GLM-4-9B-Chat takes text only"
+    for name in ("mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs")
 }
 
 
@@ -195,6 +199,22 @@ def check_choices(body: dict[str, Any], max_n: int) -> None:
     n = body.get("n")
     if type(n) is int and n > max_n:
         raise APIError(400, f"n is {n}; this server answers at most {max_n} choices per request", param="n")
+
+
+def check_extensions(body: dict[str, Any], allow_beam_search: bool, max_prompt_logprobs: int | None) -> None:
+    """vLLM's costly sampling extensions, each off unless the config allows it (``ingress.allow_beam_search``,
+    ``ingress.max_prompt_logprobs``)."""
+    if body.get("use_beam_search") is True and not allow_beam_search:
+        raise APIError(400, "use_beam_search is off on this server", param="use_beam_search")
+    asked = body.get("prompt_logprobs")
+    if asked is None:
+        return
+    if max_prompt_logprobs is None:
+        raise APIError(400, "prompt_logprobs is off on this server", param="prompt_logprobs")
+    if type(asked) is int and not 0 <= asked <= max_prompt_logprobs:  # vLLM reads -1 as the whole vocabulary
+        raise APIError(
+            400, f"prompt_logprobs is {asked}; it must be between 0 and {max_prompt_logprobs}", param="prompt_logprobs"
+        )
 
 
 def prompt_count(body: dict[str, Any]) -> int:

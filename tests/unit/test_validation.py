@@ -259,3 +259,20 @@ def test_a_request_within_its_sequences_passes(prompts, n):
     from serve_app.ingress.validation import check_sequences
 
     check_sequences({"n": n}, prompts, max_sequences=8)
+
+
+def test_costly_extensions_pass_only_as_far_as_the_config_allows():
+    from serve_app.ingress.validation import check_extensions
+
+    check_extensions({"use_beam_search": False, "prompt_logprobs": None}, False, None)
+    check_extensions({"use_beam_search": True}, True, None)
+    check_extensions({"prompt_logprobs": 5}, False, 5)
+    for body, allowed, param in [
+        ({"use_beam_search": True}, (False, 20), "use_beam_search"),
+        ({"prompt_logprobs": 0}, (True, None), "prompt_logprobs"),
+        ({"prompt_logprobs": 6}, (True, 5), "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, (True, 5), "prompt_logprobs"),  # vLLM: the whole vocabulary
+    ]:
+        with pytest.raises(APIError) as refused:
+            check_extensions(body, *allowed)
+        assert (refused.value.status, refused.value.param) == (400, param)
