@@ -14,6 +14,7 @@ import contextlib
 import logging
 import logging.handlers
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 WRITTEN_AGAINST = "0.32.0"
@@ -25,6 +26,13 @@ COMPLETION_RENDER_STEP = "render_completion_request"
 
 # The renderer's chat rendering, sync and async (wrapped by serve_app.glm4.serving).
 CHAT_RENDER_METHODS = ("render_messages", "render_messages_async")
+
+
+def tokenizer_executor(renderer: Any) -> Executor:
+    """The thread pool vLLM's renderer tokenizes prompts in (``BaseRenderer._executor``), off the
+    event loop: GLM-4's own prompt tokenization (serve_app.glm4.serving) runs there too."""
+    executor: Executor = renderer._executor
+    return executor
 
 
 def prompt_token_count(serving: Any, engine_input: Any) -> int:

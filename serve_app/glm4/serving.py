@@ -16,6 +16,7 @@ The vLLM internals this needs are reached through :mod:`serve_app.vllm_internals
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -82,8 +83,8 @@ def tokenize_control_tokens_from_template_only(renderer: Any) -> None:
     vLLM renders the chat template to a string and tokenizes it later with
     special tokens recognised anywhere. Here the rendered string is tokenized at
     once by :class:`PromptTokenizer` and handed on as token ids (vLLM then skips
-    its own tokenization), and a request whose messages or tools carry the mark
-    is refused.
+    its own tokenization), in vLLM's tokenizer thread when rendered for a request,
+    and a request whose messages or tools carry the mark is refused.
     """
     from vllm.exceptions import VLLMValidationError
 
@@ -111,11 +112,14 @@ def tokenize_control_tokens_from_template_only(renderer: Any) -> None:
         conversation, prompt = render(messages, params)
         return conversation, as_tokens(prompt)
 
+    executor = vllm_internals.tokenizer_executor(renderer)
+
     @functools.wraps(render_async)
     async def render_messages_async(messages: Any, params: Any) -> tuple[Any, dict[str, Any]]:
         refuse_marks(messages, params)
         conversation, prompt = await render_async(messages, params)
-        return conversation, as_tokens(prompt)
+        # In vLLM's tokenizer thread, as vLLM tokenizes: a long prompt would stall every stream here.
+        return conversation, await asyncio.get_running_loop().run_in_executor(executor, as_tokens, prompt)
 
     setattr(renderer, sync_name, render_messages)
     setattr(renderer, async_name, render_messages_async)

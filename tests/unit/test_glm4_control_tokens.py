@@ -178,3 +178,44 @@ def test_a_slow_tokenizer_like_the_remote_code_checkpoints_is_guarded_too() -> N
     assert tokenizer.encode("a<|user|>b", add_special_tokens=False) == [97, user, 98]  # forged, unguarded
     tokens = PromptTokenizer(tokenizer).tokenize(f"{CONTROL_MARK}<|user|>\nhi <|user|>")
     assert tokens.token_ids == [user, *b"\nhi <|user|>"]
+
+
+def test_a_rendered_request_is_tokenized_in_vllms_tokenizer_thread_not_the_event_loop(tokenizer) -> None:
+    """A long prompt tokenized on the replica's event loop would stall every stream on it; vLLM
+    tokenizes in its renderer's thread pool, and the GLM-4 tokenization of a request runs there too."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from serve_app.glm4.serving import tokenize_control_tokens_from_template_only
+
+    text = rendered([{"role": "user", "content": "hello " * 2000}])
+    threads: list[str] = []
+
+    class Recording:
+        """The tiny model's tokenizer, noting the thread each encode runs in."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+        def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return tokenizer.encode(*args, **kwargs)
+
+    async def render_messages_async(messages: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        return messages, {"prompt": text}
+
+    with ThreadPoolExecutor(1, thread_name_prefix="vllm-tokenizer") as executor:
+        renderer = SimpleNamespace(
+            get_tokenizer=Recording,
+            render_messages=lambda messages, params: (messages, {"prompt": text}),
+            render_messages_async=render_messages_async,
+            _executor=executor,  # where vllm_internals.tokenizer_executor finds vLLM's pool
+        )
+        tokenize_control_tokens_from_template_only(renderer)
+        threads.clear()  # (PromptTokenizer checks the tokenizer as it is built)
+        params = SimpleNamespace(chat_template_kwargs={})
+        _, prompt = asyncio.run(renderer.render_messages_async([], params))
+    assert prompt["prompt_token_ids"] == PromptTokenizer(tokenizer).tokenize(text).token_ids
+    assert threads and all(name.startswith("vllm-tokenizer") for name in threads)

@@ -49,6 +49,7 @@ def test_the_renderers_have_the_chat_rendering_and_parser() -> None:
     assert callable(getattr(BaseRenderer, sync_name))
     assert inspect.iscoroutinefunction(getattr(BaseRenderer, async_name))
     assert assigns(OnlineRenderer, "parser")
+    assert assigns(BaseRenderer, "_executor")  # vllm_internals.tokenizer_executor
     assert "state.online_renderer" in inspect.getsource(app_state.init_app_state)
 
 
