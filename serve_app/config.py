@@ -484,6 +484,14 @@ class IngressConfig(_Strict):
         "a request as one, so this bounds what one request can take of a replica's batch; more is a 400 "
         "naming prompt or n. At most every model's engine_args.max_num_seqs.",
     )
+    max_prompt_chars_per_token: int = Field(
+        default=16,
+        ge=1,
+        description="A prompt is refused (400) before any tokenizer runs when its text has more characters "
+        "than the model's max_model_len times this: it could not fit the context unless its tokens averaged "
+        "more characters than that (GLM-4's average about 4 in English, fewer in Chinese or code). A prompt "
+        "of token ids is held to max_model_len ids.",
+    )
     allow_beam_search: bool = Field(
         default=False,
         description="Whether a request may set vLLM's use_beam_search: beam search keeps n beams per "

@@ -207,6 +207,27 @@ HOSTILE: list[Hostile] = [
         "prompt",
         COMPLETION_PATH,
     ),
+    # Prompts that cannot fit the context (1024 tokens on the CPU config, 8192 on the simulated one;
+    # 16 characters per token), refused before any tokenizer runs
+    Hostile(
+        "chat prompt of 140000 characters",
+        encoded(chat(messages=[{"role": "user", "content": "ab" * 70_000}])),
+        400,
+        "messages",
+    ),
+    Hostile(
+        "large body, chat prompt of 3 MB",
+        encoded(chat(messages=[{"role": "user", "content": "x" * 3_000_000}])),
+        400,
+        "messages",
+    ),
+    Hostile(
+        "completion of 8193 token ids",
+        encoded({"model": MODEL, "prompt": [7] * 8193, "max_tokens": 4}),
+        400,
+        "prompt",
+        COMPLETION_PATH,
+    ),
     # vLLM's costly extensions, off unless the config allows them; a text-only model's refusals
     Hostile("use_beam_search", encoded(chat(use_beam_search=True)), 400, "use_beam_search"),
     Hostile(

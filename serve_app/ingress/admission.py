@@ -21,12 +21,14 @@ from serve_app.ingress.replica_client import TokenCounter
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.ingress.validation import (
+    PromptSize,
     check_choices,
     check_extensions,
     check_output_fits,
+    check_prompt_size,
     check_sequences,
     parse_request,
-    prompt_count,
+    prompt_size,
 )
 from serve_app.protocol import GenerationRequest
 
@@ -56,16 +58,17 @@ def validated(
     """The model entry and the validated request of a decoded ``body``: 404 before any 400."""
     entry = router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    check_limits(body, entry, settings, prompt_count(body))
+    check_limits(body, entry, settings, prompt_size(body))
     return entry, payload
 
 
-def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, prompts: int) -> None:
-    """The server's own limits on one request: its answer's tokens, its choices, the sequences
-    its ``prompts`` and choices start in the engine, and the costly extensions it asks for."""
+def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, prompt: PromptSize) -> None:
+    """The server's own limits on one request: its prompt's size, its answer's tokens, its choices,
+    the sequences its prompts and choices start in the engine, and the costly extensions it asks for."""
+    check_prompt_size(prompt, entry.max_model_len, settings.max_prompt_chars_per_token)
     check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
     check_choices(body, settings.max_n)
-    check_sequences(body, prompts, settings.max_sequences)
+    check_sequences(body, prompt.prompts, settings.max_sequences)
     check_extensions(body, settings.allow_beam_search, settings.max_prompt_logprobs)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
-from serve_app.ingress.validation import decode_body, parse_request, prompt_count
+from serve_app.ingress.validation import PromptSize, decode_body, parse_request, prompt_size
 from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")
@@ -42,12 +42,12 @@ CHECKED_FIELDS = ("model", "n", "max_tokens", "max_completion_tokens", "use_beam
 
 @dataclass(frozen=True)
 class CheckedBody:
-    """What the checker sends back: the fields the ingress still needs, the number of prompts
-    (for the sequences the request starts), and the request."""
+    """What the checker sends back: the fields the ingress still needs, the prompt's size (counted
+    and measured there), and the request."""
 
     fields: dict[str, Any]
     request: PickledRequest
-    prompts: int = 1
+    prompt: PromptSize
 
 
 def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIError:
@@ -66,7 +66,7 @@ def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIE
         payload.request_id,
         bool(payload.stream),
     )
-    return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, prompt_count(body))
+    return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, prompt_size(body))
 
 
 def _import_request_models() -> None:

@@ -26,6 +26,7 @@ class IngressSettings:
     body_timeout_s: float = 30.0  # longest a client may take to send its body
     max_n: int = 8  # most choices one request may ask for
     max_sequences: int = 8  # most engine sequences one request may start: prompts x choices
+    max_prompt_chars_per_token: int = 16  # a prompt's characters at most max_model_len times this
     allow_beam_search: bool = False  # vLLM's use_beam_search
     max_prompt_logprobs: int | None = None  # None: prompt_logprobs refused
     # How long a request that no replica has started is sent again while replicas
@@ -66,6 +67,7 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
         body_timeout_s=config.ingress.body_timeout_s,
         max_n=config.ingress.max_n,
         max_sequences=config.ingress.max_sequences_per_request,
+        max_prompt_chars_per_token=config.ingress.max_prompt_chars_per_token,
         allow_beam_search=config.ingress.allow_beam_search,
         max_prompt_logprobs=config.ingress.max_prompt_logprobs,
         time_limits=TimeLimits(

@@ -16,6 +16,7 @@ import json
 import math
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -199,6 +200,61 @@ def check_choices(body: dict[str, Any], max_n: int) -> None:
     n = body.get("n")
     if type(n) is int and n > max_n:
         raise APIError(400, f"n is {n}; this server answers at most {max_n} choices per request", param="n")
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """A request's prompts before any tokenizer sees them: how many, and the longest's characters of
+    text (messages and tools, or a completion prompt) and token ids sent as ids."""
+
+    prompts: int
+    characters: int
+    token_ids: int
+    param: str  # what a refusal names: "messages" or "prompt"
+
+
+def _characters(value: Any) -> int:
+    """Characters of every string in a JSON value, keys included (tools' names are rendered too)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _characters(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_characters(item) for item in value)
+    return 0
+
+
+def prompt_size(body: dict[str, Any]) -> PromptSize:
+    """The prompts a request will render, counted (:func:`prompt_count`) and measured."""
+    if "messages" in body:
+        return PromptSize(1, _characters(body["messages"]) + _characters(body.get("tools")), 0, "messages")
+    prompt = body.get("prompt")
+    count = prompt_count(body)
+    prompts: list[Any] = prompt if isinstance(prompt, list) and count > 1 else [prompt]
+    texts = [p for p in prompts if isinstance(p, str)]
+    ids = [p for p in prompts if isinstance(p, list)]
+    return PromptSize(count, max(map(len, texts), default=0), max(map(len, ids), default=0), "prompt")
+
+
+def check_prompt_size(size: PromptSize, max_model_len: int | None, chars_per_token: int) -> None:
+    """400 before any tokenizer runs for a prompt that cannot fit the context: more token ids than
+    ``max_model_len``, or more characters than ``max_model_len`` tokens of ``chars_per_token`` each."""
+    if max_model_len is None:
+        return
+    if size.token_ids > max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {size.token_ids} token ids; the model's context is {max_model_len} tokens",
+            param=size.param,
+        )
+    limit = max_model_len * chars_per_token
+    if size.characters > limit:
+        raise APIError(
+            400,
+            f"the prompt has {size.characters} characters; at most {limit} can fit the model's context of "
+            f"{max_model_len} tokens (at {chars_per_token} characters per token)",
+            param=size.param,
+        )
 
 
 def check_extensions(body: dict[str, Any], allow_beam_search: bool, max_prompt_logprobs: int | None) -> None:

@@ -28,6 +28,7 @@ from tests.hostile_requests import (
     Hostile,
     chat,
     encoded,
+    padded,
 )
 from tests.request_strategies import request_bodies
 from tests.unit.fake_ingress import assert_openai_error, client_for
@@ -159,7 +160,8 @@ def test_container_limit_is_exact():
 def test_a_large_body_is_parsed_off_the_event_loop_and_answered(app):
     client, handle = app
     sent = len(handle.payloads)
-    response = client.post(CHAT_PATH, json=chat(messages=[{"role": "user", "content": "x" * 400_000}]))
+    body = padded(chat(messages=[{"role": "user", "content": "x" * 10_000}]), size=400_000)
+    response = client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 200 and len(handle.payloads) == sent + 1
 
 
@@ -276,3 +278,40 @@ def test_costly_extensions_pass_only_as_far_as_the_config_allows():
         with pytest.raises(APIError) as refused:
             check_extensions(body, *allowed)
         assert (refused.value.status, refused.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "size"),
+    [
+        ({"messages": [{"role": "user", "content": "hello"}]}, (1, 4 + 4 + 7 + 5, 0, "messages")),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "tools": [{"name": "f"}]},
+            (1, 4 + 4 + 7 + 4 + 4 + 4 + 2 + 4 + 1, 0, "messages"),
+        ),
+        ({"prompt": "hello"}, (1, 5, 0, "prompt")),
+        ({"prompt": ["a", "abc"]}, (2, 3, 0, "prompt")),
+        ({"prompt": [1, 2, 3]}, (1, 0, 3, "prompt")),
+        ({"prompt": [[1], [1, 2]]}, (2, 0, 2, "prompt")),
+    ],
+    ids=["chat", "chat parts and tools", "text", "texts: the longest", "token ids", "token-id lists: the longest"],
+)
+def test_a_prompt_is_measured_before_any_tokenizer(body, size):
+    from serve_app.ingress.validation import PromptSize, prompt_size
+
+    assert prompt_size(body) == PromptSize(*size)
+
+
+def test_a_prompt_that_cannot_fit_the_context_is_400_with_the_rule():
+    from serve_app.ingress.validation import PromptSize, check_prompt_size
+
+    check_prompt_size(PromptSize(1, 16 * 1024, 0, "messages"), 1024, 16)
+    check_prompt_size(PromptSize(1, 10**9, 0, "messages"), None, 16)  # no context known: the replica counts
+    with pytest.raises(APIError) as refused:
+        check_prompt_size(PromptSize(1, 16 * 1024 + 1, 0, "messages"), 1024, 16)
+    assert refused.value.param == "messages" and refused.value.message == (
+        "the prompt has 16385 characters; at most 16384 can fit the model's context of 1024 tokens "
+        "(at 16 characters per token)"
+    )
+    with pytest.raises(APIError) as refused:
+        check_prompt_size(PromptSize(1, 0, 1025, "prompt"), 1024, 16)
+    assert refused.value.param == "prompt" and "1025 token ids" in refused.value.message
