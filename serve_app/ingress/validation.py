@@ -228,12 +228,10 @@ def prompt_size(body: dict[str, Any]) -> PromptSize:
     """The prompts a request will render, counted (:func:`prompt_count`) and measured."""
     if "messages" in body:
         return PromptSize(1, _characters(body["messages"]) + _characters(body.get("tools")), 0, "messages")
-    prompt = body.get("prompt")
-    count = prompt_count(body)
-    prompts: list[Any] = prompt if isinstance(prompt, list) and count > 1 else [prompt]
+    prompts = _prompt_list(body)
     texts = [p for p in prompts if isinstance(p, str)]
     ids = [p for p in prompts if isinstance(p, list)]
-    return PromptSize(count, max(map(len, texts), default=0), max(map(len, ids), default=0), "prompt")
+    return PromptSize(len(prompts), max(map(len, texts), default=0), max(map(len, ids), default=0), "prompt")
 
 
 def check_prompt_size(size: PromptSize, max_model_len: int | None, chars_per_token: int) -> None:
@@ -273,13 +271,18 @@ def check_extensions(body: dict[str, Any], allow_beam_search: bool, max_prompt_l
         )
 
 
-def prompt_count(body: dict[str, Any]) -> int:
-    """How many prompts a request carries: a /v1/completions ``prompt`` may be a list of texts or
-    of token-id lists, each its own prompt (a list of token ids is one prompt); chat has one."""
+def _prompt_list(body: dict[str, Any]) -> list[Any]:
+    """A request's prompts: a /v1/completions ``prompt`` may be a list of texts or of token-id lists,
+    each its own prompt (a list of token ids is one prompt); anything else is one."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
+        return prompt
+    return [prompt]
+
+
+def prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a request carries (chat has one)."""
+    return len(_prompt_list(body))
 
 
 def check_sequences(body: dict[str, Any], prompts: int, max_sequences: int) -> None:

@@ -290,10 +290,21 @@ def test_costly_extensions_pass_only_as_far_as_the_config_allows():
         ),
         ({"prompt": "hello"}, (1, 5, 0, "prompt")),
         ({"prompt": ["a", "abc"]}, (2, 3, 0, "prompt")),
+        ({"prompt": ["abcd"]}, (1, 4, 0, "prompt")),
+        ({"prompt": [[1, 2, 3]]}, (1, 0, 3, "prompt")),
         ({"prompt": [1, 2, 3]}, (1, 0, 3, "prompt")),
         ({"prompt": [[1], [1, 2]]}, (2, 0, 2, "prompt")),
     ],
-    ids=["chat", "chat parts and tools", "text", "texts: the longest", "token ids", "token-id lists: the longest"],
+    ids=[
+        "chat",
+        "chat parts and tools",
+        "text",
+        "texts: the longest",
+        "a list of one text",
+        "a list of one token-id list",
+        "token ids",
+        "token-id lists: the longest",
+    ],
 )
 def test_a_prompt_is_measured_before_any_tokenizer(body, size):
     from serve_app.ingress.validation import PromptSize, prompt_size
