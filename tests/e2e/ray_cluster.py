@@ -142,8 +142,12 @@ class RayCluster:
         wait_until_blocking(up, START_TIMEOUT_S, "the suite's Ray head up", every_s=0.2)
 
     def stop(self) -> None:
-        """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files."""
+        """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files,
+        unless ``KEEP_TEST_RAY_DIR`` is set (to read a failed run's Ray and Serve logs afterwards)."""
         stop_blocking_ray(self.process)
+        if os.environ.get("KEEP_TEST_RAY_DIR"):
+            print(f"the suite's Ray directory is kept: {self.root}")
+            return
         shutil.rmtree(self.root, ignore_errors=True)
 
 

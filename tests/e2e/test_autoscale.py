@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import httpx
 import ray
@@ -77,6 +78,7 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
     stop = asyncio.Event()
     answered: list[str] = []  # request ids answered in full
     engine_failed: list[str] = []  # request ids whose engine died under them
+    unexpected: dict[str, str] = {}  # request id: any other answer (none is expected)
 
     async def keep_busy() -> None:
         async with user_client(app.url) as client:
@@ -87,10 +89,10 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
                 )
                 if response.status_code == 500 and response.json()["error"]["code"] == "engine_failed":
                     engine_failed.append(request_id)
-                    continue
-                assert response.status_code == 200, response.text
-                assert response.json()["usage"]["completion_tokens"] == TOKENS
-                answered.append(request_id)
+                elif response.status_code == 200 and response.json()["usage"]["completion_tokens"] == TOKENS:
+                    answered.append(request_id)
+                else:
+                    unexpected[request_id] = f"{response.status_code} {response.text[:300]}"
 
     async def send_once(tokens: int) -> httpx.Response:
         async with user_client(app.url) as client:
@@ -132,14 +134,17 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
         assert "WORKER_DIED" not in [await death_reason(survivor) for survivor in survivors]
     finally:
         stop.set()
-        await asyncio.gather(*workers)  # every other answer, before and after the engine died, was complete
+        await asyncio.gather(*workers)
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+    # Every other answer, before and after the engine died, was complete; what was not, and
+    # where it went (the request log line of the replica that answered it), when one was not.
+    assert not unexpected, await asyncio.to_thread(where_they_went, unexpected, session_dir, app.name)
     statuses = [r.status_code for r in responses]
     assert statuses == [200] * AFTER_DEATH, [r.text for r in responses if r.status_code != 200][:3]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
     # The answers the dead engine held were answered once each, never sent to another replica:
     # the ingress's request log (by X-Request-Id) shows one attempt for each.
     assert len(engine_failed) >= HELD_AT_DEATH, engine_failed
-    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
 
     async def all_logged() -> dict | None:  # (Serve writes a request's line as it ends)
         logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
@@ -153,6 +158,16 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
     print(
         f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that failed got one error each "
         f"and never reached another replica; back to {scaling['min_replicas']} replica in {back:.0f} s"
+    )
+
+
+def where_they_went(unexpected: dict[str, str], session_dir: str, app_name: str) -> str:
+    """Each unexpected answer with the request log line of the replica that answered it (blocking)."""
+    logs = sorted(Path(session_dir, "logs", "serve").glob(f"replica_{app_name}_*.log"))
+    found = {log.stem: request_log_lines(session_dir, app_name, replica=log.stem.rsplit("_", 1)[-1]) for log in logs}
+    return "\n".join(
+        f"{answer}\n  logged: {[(log, lines[request_id]) for log, lines in found.items() if request_id in lines]}"
+        for request_id, answer in unexpected.items()
     )
 
 
