@@ -10,6 +10,9 @@ time. Each step:
    as vLLM does.
 2. Waiting sequences join in arrival order while there is a free sequence slot
    (``max_num_seqs``), budget and KV cache (none join in a step that preempted).
+   With vLLM's priority scheduling (``by_priority``) they wait in order of priority
+   (lower first), then arrival, and the sequence preempted is the one of highest
+   priority value, then the latest arrival, among those not yet scheduled in the step.
 3. When the step ends, each sequence whose whole context is now computed gets one
    token. The stop rules are vLLM's (``check_stop``): the stop token, then
    ``max_tokens`` or the context limit; nothing stops before ``min_tokens``.
@@ -62,6 +65,7 @@ class SimSequence:
     avoid: frozenset[int]  # never drawn by chance: the request's stop tokens in the vocabulary
     rng: random.Random
     arrival_s: float
+    priority: int = 0  # vLLM's request priority: read with priority scheduling only
     logprobs: int | None = None  # alternatives to report per token (None: no logprobs); not read here
     block_hashes: tuple[int, ...] = ()  # the prompt's full KV blocks (with a prefix cache)
     cached_tokens: int = 0  # prompt tokens the prefix cache held when it first joined
@@ -115,6 +119,7 @@ class ContinuousBatch:
         vocabulary: Sequence[int],
         stop_probability: float = 0.0,
         prefix_cache: PrefixCache | None = None,
+        by_priority: bool = False,
     ) -> None:
         if not vocabulary:
             raise ValueError("the vocabulary to draw tokens from is empty")
@@ -123,6 +128,7 @@ class ContinuousBatch:
         self.vocabulary = vocabulary
         self.stop_probability = stop_probability
         self.prefix_cache = prefix_cache
+        self.by_priority = by_priority
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.kv_used_tokens = 0
@@ -146,7 +152,10 @@ class ContinuousBatch:
             raise ValueError("the request's stop tokens leave no token to draw")
         sequence.events.append((Event.QUEUED, sequence.arrival_s))
         self._by_id[sequence.request_id] = sequence
-        self.waiting.append(sequence)
+        if self.by_priority:
+            self._wait_in_priority_order(sequence)
+        else:
+            self.waiting.append(sequence)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Drop sequences (a client left, a stop string matched); their KV cache is freed at once."""
@@ -173,7 +182,7 @@ class ContinuousBatch:
             sequence = self.running[index]
             tokens = min(sequence.context_tokens - sequence.computed_tokens, budget)
             while self.kv_used_tokens + tokens > capacity:
-                victim = self.running.pop()
+                victim = self._victim(index)
                 self._preempt(victim, start_s)
                 preempted = True
                 if victim is sequence:
@@ -249,7 +258,27 @@ class ContinuousBatch:
         sequence.cached_blocks = 0
         sequence.preemptions += 1
         sequence.events.append((Event.PREEMPTED, now_s))
-        self.waiting.appendleft(sequence)
+        if self.by_priority:
+            self._wait_in_priority_order(sequence)
+        else:
+            self.waiting.appendleft(sequence)
+
+    def _victim(self, first: int) -> SimSequence:
+        """Remove and return the running sequence to preempt, of those from ``first`` on: the
+        youngest, or with priority scheduling the highest priority value, then the latest arrival."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running[first:], key=lambda s: (s.priority, s.arrival_s))
+        self.running.remove(victim)
+        return victim
+
+    def _wait_in_priority_order(self, sequence: SimSequence) -> None:
+        """Queue ``sequence`` behind every waiting one of lower or equal (priority, arrival)."""
+        key = (sequence.priority, sequence.arrival_s)
+        at = len(self.waiting)
+        while at > 0 and (self.waiting[at - 1].priority, self.waiting[at - 1].arrival_s) > key:
+            at -= 1
+        self.waiting.insert(at, sequence)
 
     def _next_token(self, sequence: SimSequence) -> Emitted:
         finish: Finish | None = None

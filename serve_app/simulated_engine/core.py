@@ -72,7 +72,12 @@ class SimulatedEngineCore:
             blocks = timing.kv_capacity_tokens // config.kv_block_tokens
             self.prefix_cache = PrefixCache(config.kv_block_tokens, blocks)
         self.batch = ContinuousBatch(
-            timing, vllm_config.scheduler_config.max_num_seqs, vocabulary, config.stop_probability, self.prefix_cache
+            timing,
+            vllm_config.scheduler_config.max_num_seqs,
+            vocabulary,
+            config.stop_probability,
+            self.prefix_cache,
+            by_priority=vllm_config.scheduler_config.policy == "priority",
         )
         self.max_model_len = max_model_len
         self.engine_ranks_managed = [0]
@@ -127,6 +132,7 @@ class SimulatedEngineCore:
                 avoid=frozenset(params.all_stop_token_ids | set(stop_ids)) & self._vocabulary,
                 rng=random.Random(seed),
                 arrival_s=asyncio.get_running_loop().time(),
+                priority=request.priority,
                 logprobs=_alternatives(params.logprobs),
                 block_hashes=()
                 if self.prefix_cache is None

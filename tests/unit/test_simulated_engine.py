@@ -168,6 +168,23 @@ def test_a_full_kv_cache_preempts_the_youngest_which_recomputes_and_still_comple
     assert batch.kv_used_tokens == 0
 
 
+def test_with_priority_scheduling_the_waiting_go_by_priority_and_the_lowest_priority_is_preempted():
+    """vLLM's priority policy: waiting requests by (priority, arrival); on a full KV cache the
+    running request of highest priority value (then the latest) is preempted, here the older one."""
+    batch = ContinuousBatch(timing(capacity=40), max_num_seqs=4, vocabulary=VOCABULARY, by_priority=True)
+    low, high = sequence("low", max_tokens=20, priority=5), sequence("high", max_tokens=20, arrival_s=0.001)
+    batch.add(low)
+    batch.add(high)
+    assert [s.request_id for s in batch.waiting] == ["high", "low"]
+    tokens = run(batch, start_s=0.001)
+    assert {r: len(e) for r, e in by_request(tokens).items()} == {"high": 20, "low": 20}
+    assert any(kind is Event.PREEMPTED for kind, _ in low.events)
+    assert not any(kind is Event.PREEMPTED for kind, _ in high.events)
+    for priority, name in [(5, "a"), (0, "b"), (5, "c"), (1, "d")]:
+        batch.add(sequence(name, priority=priority, arrival_s=1.0))
+    assert [s.request_id for s in batch.waiting] == ["b", "d", "a", "c"]
+
+
 def test_a_prompt_larger_than_the_kv_cache_is_refused():
     batch = ContinuousBatch(timing(capacity=40), max_num_seqs=4, vocabulary=VOCABULARY)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
