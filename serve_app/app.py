@@ -62,6 +62,8 @@ def direct_streaming_app(config: AppConfig, rate_limiter: Application | None) ->
     from serve_app.replica_picker import ReplicaPicker
 
     (model,) = config.models
+    if config.ingress.applies_fair_share:
+        model = model.with_priority_scheduling()
     server = (
         deployment(DirectModelServer)
         .options(name=model.deployment_name, **model.resolved_direct_deployment(config.ingress.request_timeout_s))

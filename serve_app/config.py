@@ -347,6 +347,14 @@ class ModelConfig(_Strict):
         queued = options.get("max_queued_requests", -1)
         return None if queued < 0 else options["max_ongoing_requests"] + queued
 
+    def runs_at_once(self) -> int:
+        """Requests one replica runs at once: its ``max_ongoing_requests`` (by default ``max_num_seqs``)."""
+        return int(self.resolved_deployment()["max_ongoing_requests"])
+
+    def with_priority_scheduling(self) -> ModelConfig:
+        """This model with vLLM's priority scheduling, which :class:`~serve_app.ingress.capacity.FairShare` uses."""
+        return self.model_copy(update={"engine_args": self.engine_args | {"scheduling_policy": "priority"}})
+
     def resolved_direct_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
         """Deployment options when the replicas answer clients themselves (direct streaming).
 
@@ -505,6 +513,16 @@ class IngressConfig(_Strict):
         "ask for; unset, prompt_logprobs is a 400: it computes a vocabulary-wide distribution per prompt "
         "token, which on long prompts can run the engine out of memory.",
     )
+    fair_share: bool = Field(
+        default=True,
+        description="With direct streaming, a replica keeps count of each API key's requests: waiting "
+        "requests are served by how many their key holds there (vLLM's priority scheduling, set on the "
+        "engine), and its last places (one batch's worth, at most half of max_queued_requests) go only to "
+        "keys holding fewer than their part of them; a key refused for that gets 429 "
+        "fair_share_exceeded. So one key's flood neither delays another key's request past about one "
+        'slot\'s turnover nor gets it refused (docs/api-behaviour.md, "Fair share between API keys"). '
+        "Needs api_keys; the relay path does not apply it.",
+    )
     health_max_age_s: float = Field(
         default=30.0,
         gt=0,
@@ -548,6 +566,12 @@ class IngressConfig(_Strict):
     def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
         return validate_deployment_options(value)
 
+    @property
+    def applies_fair_share(self) -> bool:
+        """Whether model replicas share their places fairly between API keys: fair_share, on the
+        direct path (the relay path does not apply it), with keys to tell tenants apart."""
+        return self.fair_share and self.direct_streaming and self.api_keys is not None
+
     def resolved_deployment(self) -> dict[str, Any]:
         """Deployment options; an ingress replica being replaced drains its streams too."""
         options = dict(self.deployment)
@@ -589,6 +613,19 @@ class AppConfig(_Strict):
                 raise ValueError(
                     f"ingress.max_sequences_per_request ({limit}) is above models.{i}.engine_args.max_num_seqs "
                     f"({batch}): one request could ask for more sequences than a replica runs at once"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _fair_share_schedules_by_priority(self) -> AppConfig:
+        if not self.ingress.applies_fair_share:
+            return self
+        for i, model in enumerate(self.models):
+            policy = model.engine_args.get("scheduling_policy", "priority")
+            if policy != "priority":
+                raise ValueError(
+                    f"models.{i}.engine_args.scheduling_policy is {policy!r}: ingress.fair_share schedules "
+                    "waiting requests by priority; remove it, or set ingress.fair_share: false"
                 )
         return self
 

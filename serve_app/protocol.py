@@ -14,9 +14,9 @@ started ends with an error event (:func:`trailing_error` reads it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 from pydantic import BaseModel
@@ -27,7 +27,7 @@ DONE_EVENT = "data: [DONE]\n\n"
 ERROR_EVENT_PREFIX = 'data: {"error"'
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Outcome:
     """How an answer ended: its tokens and finish reasons, for token limits, metrics and logs.
 
@@ -45,7 +45,7 @@ class Outcome:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Reply:
     """A complete (non-streamed) answer: HTTP status and JSON body."""
 
@@ -78,7 +78,7 @@ def as_generation_request(request: BaseModel) -> GenerationRequest:
     return cast(GenerationRequest, request)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PickledRequest:
     """A validated vLLM request, pickled by the checker process, unpickled by the model replica.
 
@@ -88,9 +88,20 @@ class PickledRequest:
     data: bytes
     request_id: str
     stream: bool
+    priority: int = 0  # set after pickling (see with_priority)
 
     def load(self) -> BaseModel:
-        return pickle.loads(self.data)
+        request = pickle.loads(self.data)
+        request.priority = self.priority
+        return request
+
+
+def with_priority(request: GenerationRequest, priority: int) -> GenerationRequest:
+    """``request`` with vLLM's scheduling ``priority`` (lower goes first among waiting requests)."""
+    if isinstance(request, PickledRequest):
+        return dataclasses.replace(request, priority=priority)
+    request.priority = priority  # type: ignore[attr-defined]  # (vLLM's request models have it)
+    return request
 
 
 def is_error_event(chunk: str) -> bool:

@@ -238,6 +238,9 @@ HOSTILE: list[Hostile] = [
         COMPLETION_PATH,
     ),
     Hostile("large body, prompt_logprobs -1", padded(chat(prompt_logprobs=-1)), 400, "prompt_logprobs"),
+    # A client's own place in the engine's queue (vLLM's priority): the server's fair share sets it
+    Hostile("priority -1000", encoded(chat(priority=-1000)), 400, "priority"),
+    Hostile("large body, priority -1", padded(chat(priority=-1)), 400, "priority"),
     Hostile("mm_processor_kwargs", encoded(chat(mm_processor_kwargs={"num_crops": 4})), 400, "mm_processor_kwargs"),
     Hostile("ec_transfer_params", encoded(chat(ec_transfer_params={"a": 1})), 400, "ec_transfer_params"),
     # Routes

@@ -45,7 +45,7 @@ from serve_app.ingress.router import ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.observability import tracing
 from serve_app.observability.record import RequestRecord, end_record
-from serve_app.protocol import Reply
+from serve_app.protocol import Reply, with_priority
 
 logger = logging.getLogger("ray.serve")
 
@@ -132,8 +132,9 @@ class GenerationService:
             try:
                 if settings.api_keys is not None:
                     record.key_id = authenticate(settings.api_keys, metadata)
+                rank: int | None = None
                 if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
-                    holding.enter_context(settings.generation_slots.hold(record))
+                    rank = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
                 deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
                 if (size := request.ByteSize()) > settings.max_request_body_bytes:
                     raise APIError(
@@ -141,6 +142,8 @@ class GenerationService:
                     )
                 body = request_body(request)
                 entry, payload = validated(self.router, settings, endpoint, body)
+                if rank is not None:
+                    payload = with_priority(payload, rank)
                 record.model, record.request_id = entry.name, payload.request_id
                 if record.keep_content:
                     record.request_body = body

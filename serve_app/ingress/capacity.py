@@ -11,18 +11,62 @@ the count Serve kept: generation requests in this replica, HTTP and gRPC togethe
 most ``limit`` (the configured ``max_ongoing_requests`` plus ``max_queued_requests``);
 past it, the same 429 the relay path answers (gRPC: ``RESOURCE_EXHAUSTED``). Requests
 over the engine's batch wait in vLLM's own queue.
+
+With ``ingress.fair_share`` the count is kept per API key too (:class:`FairShare`), so
+that one key's flood cannot make another key wait behind it or be refused with it:
+
+- each request gets as its engine priority its key's rank here, how many requests its key
+  already holds on this replica, and vLLM's priority scheduling serves waiting requests by
+  rank (then by arrival): a key holding fewer requests goes ahead of one holding more, so
+  a key sending one request at a time waits about one slot's turnover, whatever another
+  key holds;
+- the last places (``kept``) go only to keys holding fewer than their part of them, so a
+  key with nothing here still finds a place when another key has filled the rest; a key
+  refused for that gets 429 ``fair_share_exceeded`` with ``Retry-After``.
+
+A waiting request is passed only by requests of lower rank, which come from keys holding
+fewer requests than it ranks; it never waits behind later requests of its own rank.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.errors import APIError, overloaded
+from serve_app.ingress.auth import KEY_ID_SCOPE_KEY
 from serve_app.ingress.route_path import route_path
 from serve_app.observability.record import RequestRecord
+
+
+@dataclass(frozen=True)
+class FairShare:
+    """The rule for the last places of a replica: pure arithmetic, see the module's docstring.
+
+    ``kept`` places of ``limit`` are kept: once only those are free, a key takes one only
+    while it holds fewer than ``kept / (other keys holding places + 1)``.
+    """
+
+    limit: int
+    kept: int
+
+    @classmethod
+    def for_replica(cls, limit: int, runs_at_once: int) -> FairShare:
+        """Keep one batch's worth of places (``runs_at_once``), at most half of those that wait."""
+        return cls(limit, max(0, min(runs_at_once, (limit - runs_at_once) // 2)))
+
+    def allowance(self, other_keys: int) -> int:
+        """How many places a key may hold and still take a kept one, with ``other_keys`` holding places."""
+        return max(1, self.kept // (other_keys + 1))
+
+    def admits(self, held: int, key_held: int, other_keys: int) -> bool:
+        """Whether a key holding ``key_held`` of the replica's ``held`` places may take one more
+        (``held`` below ``limit``: a full replica refuses everyone)."""
+        return self.limit - held > self.kept or key_held < self.allowance(other_keys)
 
 
 class GenerationSlots:
@@ -30,34 +74,68 @@ class GenerationSlots:
 
     ``model`` is the model the replica serves: a request it refuses is counted against that
     model (its metrics' ``model`` label), as the relay path counts Serve's refusals, though its
-    body was never read.
+    body was never read. With ``fair_share``, places are also counted per API key.
     """
 
-    def __init__(self, limit: int, model: str | None = None) -> None:
+    def __init__(self, limit: int, model: str | None = None, fair_share: FairShare | None = None) -> None:
         self.limit = limit
         self.model = model
+        self.fair_share = fair_share
         self.held = 0
+        self.by_key: Counter[str] = Counter()
 
-    def take(self, record: RequestRecord | None = None) -> None:
-        """Take a place; raises the ``overloaded`` APIError (429) when none is free, with
-        ``record`` (the request's) counted against this replica's model."""
-        if self.held >= self.limit:
+    def take(self, record: RequestRecord | None = None, key_id: str | None = None) -> int:
+        """Take a place for a request of ``key_id``; return its rank (the places its key held
+        before: 0 without fair share or a key). Raises the 429 ``overloaded`` APIError when no
+        place is free, ``fair_share_exceeded`` when only kept places are and the key holds its part,
+        with ``record`` (the request's) counted against this replica's model."""
+        refusal = self._refusal(key_id)
+        if refusal is not None:
             if record is not None and record.model is None:
                 record.model = self.model
-            raise overloaded()
+            raise refusal
         self.held += 1
+        if self.fair_share is None or key_id is None:
+            return 0
+        rank = self.by_key[key_id]
+        self.by_key[key_id] += 1
+        return rank
 
-    def give_back(self) -> None:
+    def give_back(self, key_id: str | None = None) -> None:
         self.held -= 1
+        if self.fair_share is not None and key_id is not None:
+            self.by_key[key_id] -= 1
+            if not self.by_key[key_id]:
+                del self.by_key[key_id]
+
+    def _refusal(self, key_id: str | None) -> APIError | None:
+        if self.held >= self.limit:
+            return overloaded()
+        if self.fair_share is None or key_id is None:
+            return None
+        key_held = self.by_key.get(key_id, 0)
+        others = len(self.by_key) - (1 if key_held else 0)
+        if self.fair_share.admits(self.held, key_held, others):
+            return None
+        return APIError(
+            429,
+            f"this replica is nearly full and this API key holds {key_held} of its requests, its share "
+            "while others wait; retry shortly",
+            code="fair_share_exceeded",
+            headers={"Retry-After": "1"},
+        )
 
     @contextmanager
-    def hold(self, record: RequestRecord | None = None) -> Iterator[None]:
-        """A place held while the block runs (:meth:`take`, then :meth:`give_back`)."""
-        self.take(record)
+    def hold(self, record: RequestRecord | None = None, key_id: str | None = None) -> Iterator[int]:
+        """A place held while the block runs (:meth:`take`, then :meth:`give_back`); yields its rank."""
+        rank = self.take(record, key_id)
         try:
-            yield
+            yield rank
         finally:
-            self.give_back()
+            self.give_back(key_id)
+
+
+RANK_SCOPE_KEY = "fair_rank"  # where the middleware leaves a request's rank: request.state.fair_rank
 
 
 class GenerationCapacity:
@@ -72,16 +150,18 @@ class GenerationCapacity:
         if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
-        record = scope.get("state", {}).get("record")  # ObserveRequests's, outside this middleware
+        state = scope.get("state") or {}
+        record = state.get("record")  # ObserveRequests's, outside this middleware
+        key_id = state.get(KEY_ID_SCOPE_KEY)  # APIKeyMiddleware's, outside this one
         try:
-            self.slots.take(record)
+            rank = self.slots.take(record, key_id)
         except APIError as refusal:
             await _refuse(send, refusal)
             return
-        try:
-            await self.app(scope, receive, send)
+        try:  # (a fresh state mapping, as APIKeyMiddleware's)
+            await self.app(dict(scope, state=dict(state, **{RANK_SCOPE_KEY: rank})), receive, send)
         finally:
-            self.slots.give_back()
+            self.slots.give_back(key_id)
 
 
 async def _refuse(send: Send, error: APIError) -> None:

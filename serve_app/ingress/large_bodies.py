@@ -37,7 +37,15 @@ logger = logging.getLogger("ray.serve")
 LARGE_BODY_BYTES = 256 * 1024  # smaller bodies take well under a millisecond or two: checked in line
 MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
 # What the ingress checks after validation (routing, output ceiling, choices, extensions), copied out of the body.
-CHECKED_FIELDS = ("model", "n", "max_tokens", "max_completion_tokens", "use_beam_search", "prompt_logprobs")
+CHECKED_FIELDS = (
+    "model",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "use_beam_search",
+    "prompt_logprobs",
+    "priority",
+)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from serve_app.errors import UNAVAILABLE, APIError, error_body
 from serve_app.ingress.admission import Endpoint, admit_key, check_limits, default_endpoints, validated
 from serve_app.ingress.auth import APIKeyMiddleware
-from serve_app.ingress.capacity import GenerationCapacity
+from serve_app.ingress.capacity import RANK_SCOPE_KEY, GenerationCapacity
 from serve_app.ingress.deadlines import Deadline, requested_timeout
 from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.ingress.readiness import Readiness
@@ -42,7 +42,7 @@ from serve_app.ingress.router import ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.ingress.validation import decode_body
 from serve_app.observability.record import ObserveRequests, RequestRecord
-from serve_app.protocol import GenerationRequest
+from serve_app.protocol import GenerationRequest, with_priority
 
 logger = logging.getLogger("ray.serve")
 
@@ -92,6 +92,8 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     else:
         body = decode_body(raw)
         entry, payload = validated(state.router, settings, endpoint, body)
+    if (rank := getattr(request.state, RANK_SCOPE_KEY, None)) is not None:  # (GenerationCapacity's)
+        payload = with_priority(payload, rank)
     record.model = entry.name
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:

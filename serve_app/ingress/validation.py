@@ -257,9 +257,15 @@ def check_prompt_size(size: PromptSize, max_model_len: int | None, chars_per_tok
 
 def check_extensions(body: dict[str, Any], allow_beam_search: bool, max_prompt_logprobs: int | None) -> None:
     """vLLM's costly sampling extensions, each off unless the config allows it (``ingress.allow_beam_search``,
-    ``ingress.max_prompt_logprobs``)."""
+    ``ingress.max_prompt_logprobs``), and its ``priority``, which is the server's."""
     if body.get("use_beam_search") is True and not allow_beam_search:
         raise APIError(400, "use_beam_search is off on this server", param="use_beam_search")
+    if body.get("priority", 0) != 0:  # (vLLM's field; the server sets it: serve_app.ingress.capacity)
+        raise APIError(
+            400,
+            "priority is set by this server (each API key's waiting requests go by how many it holds); omit it",
+            param="priority",
+        )
     asked = body.get("prompt_logprobs")
     if asked is None:
         return

@@ -25,7 +25,7 @@ from serve_app.config import AppConfig, ModelConfig
 from serve_app.grpc_api.methods import GenerationMethods
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
-from serve_app.ingress.capacity import GenerationSlots
+from serve_app.ingress.capacity import FairShare, GenerationSlots
 from serve_app.ingress.rate_limits import RemoteMethod
 from serve_app.ingress.readiness import ReadinessWatch
 from serve_app.ingress.router import ModelEntry, ModelRouter
@@ -66,6 +66,15 @@ class LocalAnswer:
         """Stop the generation (vLLM aborts the request as its generator closes); a no-op once it ended."""
         if self._closing is None:
             self._closing = asyncio.get_running_loop().create_task(self._generator.aclose())
+
+
+def generation_slots(model: ModelConfig, config: AppConfig) -> GenerationSlots | None:
+    """The replica's count of its generation requests (None: unbounded), per API key with fair share."""
+    limit = model.generation_limit()
+    if limit is None:
+        return None
+    fair = FairShare.for_replica(limit, model.runs_at_once()) if config.ingress.applies_fair_share else None
+    return GenerationSlots(limit, model.name, fair)
 
 
 class OtherReplicas(Protocol):
@@ -152,11 +161,8 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
         # A request that meets this replica after its engine died goes to the others, and
         # is sent again (for up to ingress.unavailable_retry_s) while they answer
         # `unavailable`, as on the relay path.
-        limit = model.generation_limit()
-        self.settings = replace(
-            ingress_settings(config, rate_limiter),
-            generation_slots=GenerationSlots(limit, model.name) if limit is not None else None,
-        )
+        slots = generation_slots(model, config)
+        self.settings = replace(ingress_settings(config, rate_limiter), generation_slots=slots)
         self.readiness = ReadinessWatch(
             serve.status,
             serve.get_replica_context().app_name,

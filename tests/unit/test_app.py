@@ -27,3 +27,18 @@ def test_the_relay_path_puts_the_ingress_in_front_of_the_model_deployment() -> N
     args["ingress"]["direct_streaming"] = False
     application = app_module.build_app(args)
     assert application._bound_deployment.name == "Ingress" and application._ingress_request_router is None
+
+
+@pytest.mark.parametrize("fair_share", [True, False], ids=["fair share", "no fair share"])
+def test_with_fair_share_the_direct_replicas_engine_schedules_waiting_requests_by_priority(
+    fair_share: bool,
+) -> None:
+    """Only where it applies: direct streaming with API keys (without keys, one tenant)."""
+    args = app_args("config.sim.yaml")
+    args["ingress"] |= {"fair_share": fair_share, "api_keys": {"env": "GLM4_TEST_KEYS"}}
+    application = app_module.build_app(args)
+    (model, _config, _limiter) = application._bound_deployment.init_args
+    assert model.engine_args.get("scheduling_policy") == ("priority" if fair_share else None)
+    del args["ingress"]["api_keys"]
+    (keyless, _config, _limiter) = app_module.build_app(args)._bound_deployment.init_args
+    assert "scheduling_policy" not in keyless.engine_args

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from benchmarks.client import Workload, carries_tokens
 from benchmarks.load import Load, levels_from, parse_args
@@ -401,3 +402,22 @@ def test_the_first_token_paths_ports_are_read_from_serves_haproxy_files():
         replica_port(HAPROXY_CONFIG.replace("30001 track", "30005 track"))
     with pytest.raises(SystemExit, match="no router port"):
         picker_port("local ROUTERS = {\n}\n")
+
+
+def test_the_fair_share_benchmark_gives_this_apps_config_both_keys_and_the_chosen_path(tmp_path):
+    from benchmarks import fair_share, servers
+
+    config = yaml.safe_load((REPO / "deploy" / "config.sim.yaml").read_text())
+    servers.this_app(config, None, tmp_path, REPO)
+    keys = tmp_path / "api-keys"
+    fair_share.with_keys(tmp_path / "serve_config.yaml", keys, fair_share=False, direct=False)
+    written = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())
+    ingress = written["applications"][0]["args"]["ingress"]
+    assert ingress["api_keys"] == {"file": str(keys)}
+    assert (ingress["fair_share"], ingress["direct_streaming"]) == (False, False)
+    answers = [fair_share.Answer(200, t / 1000) for t in (10, 20, 30, 40)] + [fair_share.Answer(429, None)]
+    assert fair_share.light_summary(answers) == {
+        "ttft_p50_ms": 20.0,
+        "ttft_p99_ms": 40.0,
+        "statuses": {"200": 4, "429": 1},
+    }

@@ -352,3 +352,18 @@ def test_a_request_may_not_ask_for_more_sequences_than_a_replica_batches():
         parse_app_config(config)
     allowed = parse_app_config(config | {"ingress": {"max_sequences_per_request": 4}})
     assert allowed.ingress.max_sequences_per_request == 4
+
+
+def test_fair_share_is_on_by_default_and_refuses_an_engine_scheduling_first_come_first_served():
+    keys = {"api_keys": {"env": "KEYS"}}
+    direct = {"ingress": {"direct_streaming": True} | keys}
+    assert parse_app_config(minimal() | direct).ingress.applies_fair_share
+    fcfs = minimal(engine_args={"model": "m", "max_num_seqs": 8, "scheduling_policy": "fcfs"})
+    with pytest.raises(ConfigError, match="scheduling_policy is 'fcfs': ingress.fair_share schedules"):
+        parse_app_config(fcfs | direct)
+    assert parse_app_config(fcfs | {"ingress": {"direct_streaming": True, "fair_share": False} | keys})
+    assert not parse_app_config(fcfs | {"ingress": keys}).ingress.applies_fair_share  # the relay path
+    assert not parse_app_config(fcfs | {"ingress": {"direct_streaming": True}}).ingress.applies_fair_share
+    model = parse_app_config(minimal()).models[0]
+    assert model.with_priority_scheduling().engine_args == model.engine_args | {"scheduling_policy": "priority"}
+    assert model.runs_at_once() == 8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -14,7 +15,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from serve_app.ingress.capacity import GenerationCapacity, GenerationSlots
+from serve_app.ingress.auth import APIKeyMiddleware, APIKeys
+from serve_app.ingress.capacity import FairShare, GenerationCapacity, GenerationSlots
 from serve_app.ingress.deadlines import DeadlineExceeded, next_before
 from serve_app.observability.record import ObserveRequests, RequestRecord
 from serve_app.replica.front_door import LocalModel
@@ -161,3 +163,43 @@ async def test_once_the_engine_failed_a_request_goes_to_the_other_replicas_and_n
     assert model.chat.remote(REQUEST, {"traceparent": "t"}) == "chat from another replica"
     assert model.completion.remote(REQUEST, None) == "completion from another replica"
     assert sent_elsewhere == [("chat", REQUEST, {"traceparent": "t"}), ("completion", REQUEST, None)]
+
+
+async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_its_share_gets_429() -> None:
+    """Behind the key middleware, as the replica's app has it: the rank reaches the route (which sets
+    the request's engine priority from it), and a key holding its part of the kept places is refused."""
+    import httpx
+
+    keys = ("a" * 24, "b" * 24)
+    release, ranks = asyncio.Event(), list[int]()
+
+    async def generate(request: Request) -> Response:
+        ranks.append(request.state.fair_rank)
+        await release.wait()
+        return JSONResponse({"ok": True})
+
+    slots = GenerationSlots(limit=4, fair_share=FairShare(limit=4, kept=2))
+    middleware = [
+        Middleware(APIKeyMiddleware, keys=APIKeys("test keys", lambda: "\n".join(keys))),
+        Middleware(GenerationCapacity, slots=slots, paths=frozenset({"/v1/chat/completions"})),
+    ]
+    app = Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"])], middleware=middleware)
+
+    def post(client: httpx.AsyncClient, key: str) -> Any:
+        return client.post("/v1/chat/completions", json={}, headers={"Authorization": f"Bearer {key}"})
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
+        held = [asyncio.create_task(post(client, keys[0])) for _ in range(2)]
+        while len(ranks) < 2:
+            await asyncio.sleep(0)
+        refused = await post(client, keys[0])  # 2 free, both kept: a lone key holds 2 of them already
+        held.append(asyncio.create_task(post(client, keys[1])))
+        while len(ranks) < 3:
+            await asyncio.sleep(0)
+        release.set()
+        answers = await asyncio.gather(*held)
+    assert ranks == [0, 1, 0]
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "fair_share_exceeded"
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert slots.held == 0 and slots.by_key == {}

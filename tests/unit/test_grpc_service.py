@@ -14,7 +14,7 @@ from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
 from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.capacity import GenerationSlots
+from serve_app.ingress.capacity import FairShare, GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits, RateLedger
 from serve_app.ingress.readiness import Readiness
@@ -152,6 +152,17 @@ def test_with_the_replicas_places_all_held_a_call_is_resource_exhausted_overload
     assert (metrics.records[0].status, metrics.records[0].model) == (429, MODEL)  # counted against its model
     run(svc, request(), FakeContext())  # the place is free again: this one reaches the replica
     assert len(handle.payloads) == 1 and slots.held == 0
+
+
+def test_with_fair_share_a_call_is_sent_with_its_keys_rank_as_its_engine_priority():
+    """As over HTTP: the places its key holds on the replica (here one HTTP request) rank it."""
+    slots = GenerationSlots(limit=8, model=MODEL, fair_share=FairShare(limit=8, kept=2))
+    svc, handle, _ = service([Reply(200, b"{}")], slots=slots, keys=True)
+    metadata = [("authorization", f"Bearer {KEYS.splitlines()[0]}")]
+    key_id = APIKeys("test keys", lambda: KEYS).identify(KEYS.splitlines()[0])
+    with slots.hold(key_id=key_id):
+        run(svc, request(), FakeContext(metadata))
+    assert [p.priority for p in handle.payloads] == [1] and slots.by_key == {}
 
 
 def test_a_call_holds_its_place_until_its_stream_ends():

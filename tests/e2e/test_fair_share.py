@@ -1,0 +1,80 @@
+"""Fair share between API keys on the bed (one replica, direct streaming, fair share on as shipped).
+
+Key A's flood fills the replica's batch and queue; key B's one request does not wait behind A's
+waiting requests. The engine is paused while they arrive, so what it holds is exactly what was
+sent, in the order sent: A's 160 requests, ranked 0 to 159 by the places A held as each came,
+then B's, ranked 0. Resumed, the engine runs 64 at a time: B's is in the first 64 (rank 0 after
+A's first), where arrival order (first come, first served) would have put it last, behind A's 96
+waiting requests. Every request of both keys completes in full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.apps import application
+from tests.e2e.bodies import chat
+from tests.e2e.serve_state import serve_deploy_settled
+
+FLOOD_KEY, LIGHT_KEY = "sk-e2e-flood-6d2a91-0123456789", "sk-e2e-light-1c77f0-0123456789"
+FLOOD = 160  # more than the replica runs at once (64): 96 wait
+FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps
+LIGHT_TOKENS = 8
+
+
+@pytest.fixture
+async def keyed_bed(bed, cluster, tmp_path):
+    """The bed with API keys (and so fair share); deployed again as it was once the test ends."""
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
+    config = yaml.safe_load(bed.app.config_path.read_text())
+    application(config, bed.app.name)["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    keyed = tmp_path / "with-api-keys.yaml"
+    keyed.write_text(yaml.safe_dump(config, sort_keys=False))
+    await serve_deploy_settled(keyed, cluster)
+    try:
+        yield bed
+    finally:
+        await serve_deploy_settled(bed.app.config_path, cluster)
+
+
+async def streamed(client: httpx.AsyncClient, key: str, tokens: int, model: str) -> tuple[int, float, bool]:
+    """Stream one answer: its status, when its first event came (monotonic), and whether it ran to
+    its ``tokens`` (finish_reason "length", then ``[DONE]``)."""
+    body = chat(model, tokens, stream=True)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        first, finished, done = float("inf"), False, False
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                first = min(first, time.monotonic())
+                event = json.loads(line.removeprefix("data: "))
+                finished |= any(c.get("finish_reason") == "length" for c in event.get("choices", []))
+        return response.status_code, first, finished and done
+
+
+async def test_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind_it(keyed_bed):
+    bed = keyed_bed
+    limits = httpx.Limits(max_connections=FLOOD + 8, max_keepalive_connections=FLOOD + 8)
+    async with httpx.AsyncClient(base_url=bed.app.url, timeout=120, limits=limits) as client:
+        async with bed.engines.paused():
+            flood = [
+                asyncio.create_task(streamed(client, FLOOD_KEY, FLOOD_TOKENS, bed.app.model)) for _ in range(FLOOD)
+            ]
+            await bed.engines.wait_until_holding(FLOOD)
+            light = asyncio.create_task(streamed(client, LIGHT_KEY, LIGHT_TOKENS, bed.app.model))
+            await bed.engines.wait_until_holding(FLOOD + 1)
+        flooded, (light_status, light_first, light_complete) = await asyncio.gather(*flood), await light
+    assert (light_status, light_complete) == (200, True)
+    assert [(status, complete) for status, _, complete in flooded] == [(200, True)] * FLOOD  # the flood's too
+    started_after_light = sum(1 for _, first, _ in flooded if first > light_first)
+    # The 96 that waited for a second wave (first come, first served: none).
+    assert started_after_light >= FLOOD - 64, started_after_light
