@@ -423,6 +423,13 @@ class RateLimitsConfig(_Strict):
     tokens_per_minute: int | None = Field(
         default=None, gt=0, description="Prompt plus completion tokens each key may use per minute."
     )
+    max_concurrent_requests: int | None = Field(
+        default=None,
+        gt=0,
+        description="Generation requests each key may have under way at once, across all replicas; past it, "
+        "429 with Retry-After. If the limiter cannot be reached, each replica holds a key to this many on its "
+        "own (requests and tokens per minute then go unchecked).",
+    )
     deployment: dict[str, Any] = Field(
         default_factory=dict,
         description="Serve options of the one-replica deployment that keeps the counts (e.g. ray_actor_options).",
@@ -430,8 +437,8 @@ class RateLimitsConfig(_Strict):
 
     @model_validator(mode="after")
     def _some_limit(self) -> RateLimitsConfig:
-        if self.requests_per_minute is None and self.tokens_per_minute is None:
-            raise ValueError("set requests_per_minute, tokens_per_minute or both")
+        if self.requests_per_minute is None and self.tokens_per_minute is None and self.max_concurrent_requests is None:
+            raise ValueError("set requests_per_minute, tokens_per_minute, max_concurrent_requests or several")
         return self
 
     @field_validator("deployment")

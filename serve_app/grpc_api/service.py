@@ -147,7 +147,7 @@ class GenerationService:
                 record.model, record.request_id = entry.name, payload.request_id
                 if record.keep_content:
                     record.request_body = body
-                on_tokens = await admit_key(settings.key_limits, record.key_id)
+                on_tokens = await admit_key(settings.key_limits, record)
                 first, rest = await call_replica(
                     entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s
                 )

@@ -30,6 +30,7 @@ from serve_app.ingress.validation import (
     parse_request,
     prompt_size,
 )
+from serve_app.observability.record import RequestRecord
 from serve_app.protocol import GenerationRequest
 
 
@@ -72,9 +73,11 @@ def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: Ingress
     check_extensions(body, settings.allow_beam_search, settings.max_prompt_logprobs)
 
 
-async def admit_key(limits: KeyLimits | None, key_id: str | None) -> TokenCounter | None:
-    """Ask the key's rate limits (429 when spent); the counter to tell its tokens to, when they are counted."""
-    if limits is None or key_id is None:
+async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCounter | None:
+    """Ask the limits of the request's key (429 when spent), leaving in ``record`` the place it takes among
+    its key's requests at once (given back as the record ends); the counter to tell its tokens to, when
+    they are counted."""
+    if limits is None or record.key_id is None:
         return None
-    await limits.admit(key_id)
-    return functools.partial(limits.charge, key_id) if limits.counts_tokens else None
+    record.key_lease = await limits.admit(record.key_id)
+    return functools.partial(limits.charge, record.key_id) if limits.counts_tokens else None

@@ -98,7 +98,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)
-    on_tokens = await admit_key(settings.key_limits, record.key_id)
+    on_tokens = await admit_key(settings.key_limits, record)
     return await relay(
         entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s, on_tokens
     )

@@ -44,16 +44,26 @@ class IngressSettings:
     generation_slots: GenerationSlots | None = None
 
     def observers(self) -> list[Observer]:
-        """Who is told of each request once it has ended: the metrics, then the log line."""
-        observers: list[Observer] = [self.metrics.ended] if self.metrics is not None else []
+        """Who is told of each request once it has ended: its key's limits (its place back), the
+        metrics, then the log line."""
+        observers: list[Observer] = [self.key_limits.request_ended] if self.key_limits is not None else []
+        observers += [self.metrics.ended] if self.metrics is not None else []
         return observers + ([log_request] if self.log_requests else [])
+
+
+LEASE_MARGIN_S = 60.0  # a place at the limiter outlives the longest answer by this (never given back: it expires)
 
 
 def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimits | None:
     limits = config.ingress.rate_limits
     if limits is None or rate_limiter is None:
         return None
-    return KeyLimits(rate_limiter, counts_tokens=limits.tokens_per_minute is not None)
+    return KeyLimits(
+        rate_limiter,
+        counts_tokens=limits.tokens_per_minute is not None,
+        max_concurrent=limits.max_concurrent_requests,
+        lease_s=config.ingress.request_timeout_s + LEASE_MARGIN_S,
+    )
 
 
 def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> IngressSettings:

@@ -42,6 +42,7 @@ class RequestRecord:
     model: str | None = None  # set once routed; never a client's unknown model name
     request_id: str | None = None
     key_id: str | None = None  # hashed API key, when keys are configured
+    key_lease: Any = None  # its place among its key's requests at once (rate_limits.KeyLease), given back at its end
     stream: bool = False
     phase: Phase = Phase.RECEIVED
     status: int | None = None

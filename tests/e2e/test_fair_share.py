@@ -1,4 +1,5 @@
-"""Fair share between API keys on the bed (one replica, direct streaming, fair share on as shipped).
+"""Fair share between API keys on the bed (one replica, direct streaming, fair share on as shipped),
+and each key's limit on requests at once.
 
 Key A's flood fills the replica's batch and queue; key B's one request does not wait behind A's
 waiting requests. The engine is paused while they arrive, so what it holds is exactly what was
@@ -6,6 +7,11 @@ sent, in the order sent: A's 160 requests, ranked 0 to 159 by the places A held 
 then B's, ranked 0. Resumed, the engine runs 64 at a time: B's is in the first 64 (rank 0 after
 A's first), where arrival order (first come, first served) would have put it last, behind A's 96
 waiting requests. Every request of both keys completes in full.
+
+With ``rate_limits.max_concurrent_requests`` a key past its requests at once gets 429 while
+another key's request goes ahead; the places come back as requests end. With the shared
+limiter unreachable (its one replica cannot be placed), the replica holds each key to the
+limit itself.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +28,8 @@ import yaml
 
 from tests.e2e.apps import application
 from tests.e2e.bodies import chat
-from tests.e2e.serve_state import serve_deploy_settled
+from tests.e2e.serve_state import only_one_running, serve_deploy, serve_deploy_settled
+from tests.waiting import wait_until
 
 FLOOD_KEY, LIGHT_KEY = "sk-e2e-flood-6d2a91-0123456789", "sk-e2e-light-1c77f0-0123456789"
 FLOOD = 160  # more than the replica runs at once (64): 96 wait
@@ -28,20 +37,31 @@ FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps
 LIGHT_TOKENS = 8
 
 
-@pytest.fixture
-async def keyed_bed(bed, cluster, tmp_path):
-    """The bed with API keys (and so fair share); deployed again as it was once the test ends."""
+def keyed_config(bed, tmp_path: Path, **ingress: Any) -> Path:
+    """The bed's config with both API keys (and so fair share), and ``ingress`` settings."""
     keys_file = tmp_path / "api-keys"
     keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
     config = yaml.safe_load(bed.app.config_path.read_text())
-    application(config, bed.app.name)["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    application(config, bed.app.name)["args"]["ingress"] |= {"api_keys": {"file": str(keys_file)}} | ingress
     keyed = tmp_path / "with-api-keys.yaml"
     keyed.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy_settled(keyed, cluster)
+    return keyed
+
+
+@pytest.fixture
+async def restored(bed, cluster):
+    """The bed; deployed again as it was once the test ends."""
     try:
         yield bed
     finally:
         await serve_deploy_settled(bed.app.config_path, cluster)
+
+
+@pytest.fixture
+async def keyed_bed(restored, cluster, tmp_path):
+    """The bed with API keys (and so fair share)."""
+    await serve_deploy_settled(keyed_config(restored, tmp_path), cluster)
+    return restored
 
 
 async def streamed(client: httpx.AsyncClient, key: str, tokens: int, model: str) -> tuple[int, float, bool]:
@@ -78,3 +98,56 @@ async def test_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind
     started_after_light = sum(1 for _, first, _ in flooded if first > light_first)
     # The 96 that waited for a second wave (first come, first served: none).
     assert started_after_light >= FLOOD - 64, started_after_light
+
+
+async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_without_it_by_the_replica(
+    restored, cluster, tmp_path
+):
+    bed = restored
+    limits = {"max_concurrent_requests": 2}
+    await serve_deploy_settled(keyed_config(bed, tmp_path, rate_limits=limits), cluster)
+    await _two_at_once_then_refused(bed)
+    # The limiter's one replica asks for a resource no node has: it never starts, and each
+    # admission gives up on it after 2 s.
+    before = set(await bed.engines.replicas())
+    unplaceable = limits | {"deployment": {"ray_actor_options": {"resources": {"nowhere": 1}}}}
+    await serve_deploy(keyed_config(bed, tmp_path, rate_limits=unplaceable), cluster)
+
+    async def replaced() -> bool:
+        return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before
+
+    await wait_until(replaced, 120, "the model replica replaced, the limiter left pending")
+    await _two_at_once_then_refused(bed)
+
+
+async def _two_at_once_then_refused(bed) -> None:
+    """Key A's third request while two are held: 429 naming requests at once; key B's goes ahead;
+    once A's end, A's next is answered."""
+    async with httpx.AsyncClient(base_url=bed.app.url, timeout=120) as client:
+        async with bed.engines.paused():
+            held = [asyncio.create_task(streamed(client, FLOOD_KEY, 4, bed.app.model)) for _ in range(2)]
+            await bed.engines.wait_until_holding(2)
+            refused = await client.post(
+                "/v1/chat/completions", json=chat(bed.app.model, 4), headers={"Authorization": f"Bearer {FLOOD_KEY}"}
+            )
+            other = asyncio.create_task(streamed(client, LIGHT_KEY, 4, bed.app.model))
+            await bed.engines.wait_until_holding(3)
+        assert [(status, complete) for status, _, complete in await asyncio.gather(*held, other)] == [(200, True)] * 3
+        after = await after_retries(client, bed.app.model)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "requests at once" in error["message"]
+    assert after[0] == 200 and after[2]
+
+
+async def after_retries(client: httpx.AsyncClient, model: str, attempts: int = 3) -> tuple[int, float, bool]:
+    """Key A's next request, sent again after each 429's Retry-After as a client would: a request's
+    place is given back as its replica ends it, which can be just after its client read the end."""
+    for _ in range(attempts - 1):
+        response = await client.post(
+            "/v1/chat/completions", json=chat(model, 4), headers={"Authorization": f"Bearer {FLOOD_KEY}"}
+        )
+        if response.status_code != 429:
+            break
+        await asyncio.sleep(int(response.headers["retry-after"]))
+    return await streamed(client, FLOOD_KEY, 4, model)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from serve_app.config import AppConfig, ConfigError, parse_app_config
+from serve_app.errors import APIError
 from serve_app.ingress.auth import APIKeys
 from serve_app.ingress.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
 from serve_app.protocol import Outcome, Reply
@@ -78,6 +79,27 @@ def test_retry_after_is_whole_seconds_and_at_least_one():
     assert "tokens per minute" in error.message
 
 
+def test_a_key_holds_at_most_its_concurrent_requests_each_lease_given_back_or_expired():
+    ledger = RateLedger(requests_per_minute=None, tokens_per_minute=None, max_concurrent=2)
+    assert ledger.admit("a", "l1", 100.0, now=0.0).allowed and ledger.admit("a", "l2", 100.0, now=0.0).allowed
+    refused = ledger.admit("a", "l3", 100.0, now=0.0)
+    assert (refused.allowed, refused.limit, refused.retry_after_s) == (False, "requests at once", 1.0)
+    assert ledger.admit("b", "l4", 100.0, now=0.0).allowed  # another key has its own places
+    ledger.release("a", "l1", now=1.0)
+    assert ledger.admit("a", "l5", 100.0, now=1.0).allowed
+    assert not ledger.admit("a", "l6", 100.0, now=99.0).allowed
+    assert ledger.admit("a", "l7", 100.0, now=100.0).allowed  # l2, never given back, expired
+    ledger.release("a", "unknown", now=100.0)  # (given back twice, or after it expired: no effect)
+    assert set(ledger.leases["a"]) == {"l5", "l7"}
+
+
+def test_a_refused_request_takes_no_lease_and_no_request_from_the_bucket():
+    ledger = RateLedger(requests_per_minute=2, tokens_per_minute=None, max_concurrent=1)
+    assert ledger.admit("a", "l1", 100.0, now=0.0).allowed
+    assert not ledger.admit("a", "l2", 100.0, now=0.0).allowed
+    assert ledger.requests["a"].level == 1 and set(ledger.leases["a"]) == {"l1"}
+
+
 # --- the ingress's side ----------------------------------------------------------------------
 
 
@@ -96,7 +118,7 @@ class LedgerHandle:
             def remote(self, *args: Any) -> Any:
                 return handle.call(self.name, *args)
 
-        self.admit, self.charge = Call("admit"), Call("charge")
+        self.admit, self.charge, self.release = Call("admit"), Call("charge"), Call("release")
 
     def call(self, name: str, *args: Any) -> Any:
         handle = self
@@ -142,6 +164,54 @@ def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
 def test_an_unreachable_limiter_admits_requests():
     client, _ = limited_client([Reply(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
     assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab")).status_code == 200
+
+
+async def test_concurrent_requests_are_counted_at_the_limiter_and_given_back_there():
+    limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=None, max_concurrent=1))
+    limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=1, lease_s=30.0)
+    lease = await limits.admit("a")
+    assert lease is not None and lease.at_limiter and limits.held == {"a": 1}
+    with pytest.raises(APIError) as refused:
+        await limits.admit("a")
+    assert (refused.value.status, refused.value.headers) == (429, {"Retry-After": "1"})
+    assert "requests at once" in refused.value.message
+    limits.ended(lease)
+    await asyncio.gather(*limits._calls)  # the release, sent in the background
+    assert limits.held == {} and limiter.ledger.leases == {}
+    assert await limits.admit("a") is not None
+
+
+async def test_while_the_limiter_is_unreachable_each_replica_holds_a_key_to_the_limit_itself():
+    limits = KeyLimits(LedgerHandle(fail=ConnectionError("gone")), counts_tokens=False, max_concurrent=2)
+    leases = [await limits.admit("a"), await limits.admit("a")]
+    assert all(lease is not None and not lease.at_limiter for lease in leases)
+    with pytest.raises(APIError):
+        await limits.admit("a")
+    assert await limits.admit("b") is not None  # another key has its own count
+    for lease in leases:
+        assert lease is not None
+        limits.ended(lease)
+    assert limits._calls == set()  # nothing to give back at a limiter that never took it
+    assert await limits.admit("a") is not None
+
+
+def test_a_requests_place_is_given_back_when_it_ends_whatever_its_answer():
+    """The lease is the record's: given back by the request's end, a refusal by the replica included."""
+    limiter = LedgerHandle(fail=ConnectionError("gone"))  # this replica's own count, kept in step
+    limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=1)
+    keys = APIKeys("test keys", lambda: KEYS)
+    client, _ = client_for(
+        [Reply(200, b"{}")],
+        then=[[Reply.error(400, "too long a prompt", "messages")], [Reply(200, b"{}")]],
+        api_keys=keys,
+        key_limits=limits,
+    )
+    key = bearer("sk-alpha-0123456789ab")
+    statuses = [client.post("/v1/chat/completions", json=CHAT, headers=key).status_code for _ in range(3)]
+    assert statuses == [200, 400, 200] and limits.held == {}
+    asyncio.run(limits.admit(keys.identify("sk-alpha-0123456789ab") or ""))  # the key's one place, held
+    refused = client.post("/v1/chat/completions", json=CHAT, headers=key)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded"
 
 
 def test_unary_answers_are_charged_their_usage():
@@ -217,7 +287,7 @@ def test_rate_limits_need_api_keys_and_at_least_one_limit():
     assert config_with({"api_keys": keys, "rate_limits": {"requests_per_minute": 5}}).ingress.rate_limits
     with pytest.raises(ConfigError, match="set ingress.api_keys"):
         config_with({"rate_limits": {"requests_per_minute": 5}})
-    with pytest.raises(ConfigError, match="requests_per_minute, tokens_per_minute or both"):
+    with pytest.raises(ConfigError, match="requests_per_minute, tokens_per_minute, max_concurrent_requests or several"):
         config_with({"api_keys": keys, "rate_limits": {}})
     with pytest.raises(ConfigError, match="one replica keeps"):
         config_with({"api_keys": keys, "rate_limits": {"tokens_per_minute": 5, "deployment": {"num_replicas": 2}}})
