@@ -11,13 +11,18 @@ refused one is sent again after its ``Retry-After``), and once A's first refusal
 (p50, p99) alone and under the flood, A's TTFT p99 and what A's requests got (status counts).
 ``--no-fair-share`` sets ``ingress.fair_share: false``; ``--relay`` answers through ingress
 replicas (``ingress.direct_streaming: false``), where fair share does not apply.
+
+Key B's client runs in a process of its own: the flood's client keeps a core busy, and B's
+times would otherwise be its event loop's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import ssl
 import tempfile
 import time
@@ -80,8 +85,14 @@ async def stream(client: httpx.AsyncClient, key: str, model: str, tokens: int) -
         return Answer(type(exc).__name__, None)
 
 
-async def light_requests(client: httpx.AsyncClient, model: str, count: int, tokens: int) -> list[Answer]:
-    return [await stream(client, LIGHT_KEY, model, tokens) for _ in range(count)]
+async def light_requests(url: str, model: str, count: int, tokens: int) -> list[Answer]:
+    async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as client:
+        return [await stream(client, LIGHT_KEY, model, tokens) for _ in range(count)]
+
+
+def light_in_own_process(url: str, model: str, count: int, tokens: int) -> list[Answer]:
+    """Key B's requests, one at a time (run in a process of its own)."""
+    return asyncio.run(light_requests(url, model, count, tokens))
 
 
 def light_summary(answers: list[Answer]) -> dict[str, Any]:
@@ -94,10 +105,13 @@ async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, A
     total = args.flood + 8
     limits = httpx.Limits(max_connections=total, max_keepalive_connections=total)
     # One TLS context and no proxy lookup for every client (benchmarks.load.Clients, why).
+    loop = asyncio.get_running_loop()
+    light_client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    light = (url, model, args.light_requests, args.light_tokens)
     async with httpx.AsyncClient(
         base_url=url, timeout=900, limits=limits, verify=ssl.create_default_context(), trust_env=False
     ) as client:
-        alone = await light_requests(client, model, args.light_requests, args.light_tokens)
+        alone = await loop.run_in_executor(light_client, light_in_own_process, *light)
         stop, refused = asyncio.Event(), asyncio.Event()
         flood: list[Answer] = []
 
@@ -114,9 +128,10 @@ async def measure(url: str, model: str, args: argparse.Namespace) -> dict[str, A
             await asyncio.wait_for(refused.wait(), args.settle_s)
         except TimeoutError:
             pass
-        flooded = await light_requests(client, model, args.light_requests, args.light_tokens)
+        flooded = await loop.run_in_executor(light_client, light_in_own_process, *light)
         stop.set()
         await asyncio.gather(*workers)
+    light_client.shutdown()
     flood_ttfts = [a.ttft_s for a in flood if a.ttft_s is not None]
     return {
         "light_alone": light_summary(alone),
@@ -132,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "deploy" / "config.sim.yaml")
     parser.add_argument("--flood", type=int, default=640, help="streams key A keeps open")
     parser.add_argument("--flood-tokens", type=int, default=256)
-    parser.add_argument("--light-requests", type=int, default=40, help="key B's requests, one at a time")
+    parser.add_argument("--light-requests", type=int, default=20, help="key B's requests, one at a time")
     parser.add_argument("--light-tokens", type=int, default=16)
     parser.add_argument("--settle-s", type=float, default=60.0, help="longest wait for the flood's first 429")
     parser.add_argument("--no-fair-share", dest="fair_share", action="store_false")

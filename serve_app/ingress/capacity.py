@@ -91,8 +91,9 @@ class GenerationSlots:
         with ``record`` (the request's) counted against this replica's model."""
         refusal = self._refusal(key_id)
         if refusal is not None:
-            if record is not None and record.model is None:
-                record.model = self.model
+            if record is not None:
+                record.model = record.model or self.model
+                record.error_code = refusal.code  # (the request log's and metrics' error)
             raise refusal
         self.held += 1
         if self.fair_share is None or key_id is None:

@@ -73,7 +73,7 @@ def test_a_refused_request_is_counted_against_the_replicas_model() -> None:
     ]
     client = TestClient(Starlette(routes=routes, middleware=middleware))
     assert client.post("/v1/chat/completions", json={}).status_code == 429
-    assert [(r.status, r.model) for r in records] == [(429, "glm-4-9b-chat")]
+    assert [(r.status, r.model, r.error_code) for r in records] == [(429, "glm-4-9b-chat", "overloaded")]
 
 
 def test_a_get_or_another_path_never_takes_a_place() -> None:
