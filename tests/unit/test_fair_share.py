@@ -3,15 +3,14 @@ what they do to waiting requests in an engine that schedules by priority (the si
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from serve_app.config import SimulatedEngineConfig
 from serve_app.errors import APIError
 from serve_app.ingress.capacity import FairShare, GenerationSlots
-from serve_app.simulated_engine.batch import ContinuousBatch, SimSequence
+from serve_app.simulated_engine.batch import ContinuousBatch
 from serve_app.simulated_engine.timing import GpuTiming
+from tests.unit.test_simulated_engine import VOCABULARY, sequence
 
 
 def test_a_replica_keeps_one_batch_of_places_at_most_half_of_its_queue() -> None:
@@ -78,22 +77,6 @@ def test_held_places_are_given_back_when_the_block_ends_even_on_error() -> None:
     assert slots.held == 0 and slots.by_key == {}
 
 
-def sequence(request_id: str, arrival_s: float, priority: int, tokens: int = 8) -> SimSequence:
-    return SimSequence(
-        request_id=request_id,
-        prompt_tokens=16,
-        max_tokens=tokens,
-        max_model_len=4096,
-        min_tokens=0,
-        stop_token=None,
-        stop_reason=None,
-        avoid=frozenset(),
-        rng=random.Random(0),
-        arrival_s=arrival_s,
-        priority=priority,
-    )
-
-
 def run(batch: ContinuousBatch, first: dict[str, float], until: str, clock_s: float = 0.0) -> float:
     """Step the batch until ``until`` has its first token, noting when each sequence got its first."""
     while until not in first:
@@ -112,13 +95,13 @@ def test_with_priority_scheduling_a_light_key_waits_one_turnover_behind_a_flood(
     timing = GpuTiming.from_config(SimulatedEngineConfig())
     started_before_b = {}
     for by_priority in (True, False):
-        batch = ContinuousBatch(timing, max_num_seqs=4, vocabulary=range(100, 200), by_priority=by_priority)
+        batch = ContinuousBatch(timing, max_num_seqs=4, vocabulary=VOCABULARY, by_priority=by_priority)
         slots = GenerationSlots(limit=64, fair_share=FairShare(limit=64, kept=4))
         first: dict[str, float] = {}
         for i in range(40):
-            batch.add(sequence(f"a{i}", 0.0, slots.take(key_id="a")))
+            batch.add(sequence(f"a{i}", prompt=16, max_tokens=8, priority=slots.take(key_id="a")))
         clock_s = run(batch, first, "a0")
-        batch.add(sequence("b", clock_s, slots.take(key_id="b")))
+        batch.add(sequence("b", prompt=16, max_tokens=8, arrival_s=clock_s, priority=slots.take(key_id="b")))
         run(batch, first, "b", clock_s)
         started_before_b[by_priority] = sum(1 for name, at in first.items() if at < first["b"]) - 4
     assert started_before_b == {True: 0, False: 36}
