@@ -44,7 +44,7 @@ def build_app(args: dict[str, Any]) -> Application:
     handles = {
         model.name: deployment(ModelServer)
         .options(name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s))
-        .bind(model)
+        .bind(model, config.ingress.prompt_logprobs)
         for model in config.models
     }
     return deployment(Ingress).options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)

@@ -451,6 +451,20 @@ class RateLimitsConfig(_Strict):
         return value
 
 
+class PromptLogprobsConfig(_Strict):
+    """How far a request may ask for prompt_logprobs (off unless set)."""
+
+    max_logprobs: int = Field(
+        ge=0, le=20, description="Most prompt_logprobs one request may ask for (vLLM's -1, the vocabulary, never)."
+    )
+    max_prompt_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="Longest prompt, in tokens, whose log-probabilities are computed; a longer one is a 400. "
+        "Checked on characters before tokenizing (at ingress.max_prompt_chars_per_token), then on tokens.",
+    )
+
+
 class IngressConfig(_Strict):
     """The HTTP ingress: limits it enforces and its own Serve deployment options."""
 
@@ -512,13 +526,26 @@ class IngressConfig(_Strict):
         description="Whether a request may set vLLM's use_beam_search: beam search keeps n beams per "
         "request alive through the whole answer; off, it is a 400.",
     )
-    max_prompt_logprobs: int | None = Field(
+    prompt_logprobs: PromptLogprobsConfig | None = Field(
         default=None,
-        ge=0,
-        le=20,
-        description="Most prompt_logprobs (vLLM's log-probabilities of every prompt token) a request may "
-        "ask for; unset, prompt_logprobs is a 400: it computes a vocabulary-wide distribution per prompt "
-        "token, which on long prompts can run the engine out of memory.",
+        description="Unset (every shipped config): prompt_logprobs, and echo with log-probabilities (which "
+        "asks vLLM for them), are a 400. Computing them takes a vocabulary-wide distribution for every "
+        "prompt token, which on long prompts can run the engine out of memory.",
+    )
+    max_logprobs_per_request: int = Field(
+        default=200_000,
+        ge=1,
+        description="Most log-probabilities one answer may carry: its sequences (prompts times n) times "
+        "max_tokens (or, unset, the model's ceiling) times each token's own plus its top_logprobs (or "
+        "logprob_token_ids). The default fits one 8192-token answer at top_logprobs 20; more is a 400 "
+        "naming the parameter, since a unary answer holds them all in memory and in one JSON body.",
+    )
+    max_grammar_chars: int = Field(
+        default=32_768,
+        ge=1,
+        description="Most characters of JSON a request's structured-output specs may take: response_format, "
+        "structured_outputs, and tools when tool_choice forces a call. vLLM builds the grammar on the "
+        "replica's event loop, in time that grows with the spec; more is a 400 naming the parameter.",
     )
     fair_share: bool = Field(
         default=True,

@@ -63,6 +63,12 @@ def padded(body: dict[str, Any], size: int = 300_000) -> bytes:
     return raw[:-1] + b" " * max(0, size - len(raw)) + b"}"
 
 
+def json_schema_format(properties: int) -> dict[str, Any]:
+    """A response_format whose schema names ``properties`` string properties (about 20 characters each)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
 def without(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != key}
 
@@ -238,6 +244,38 @@ HOSTILE: list[Hostile] = [
         COMPLETION_PATH,
     ),
     Hostile("large body, prompt_logprobs -1", padded(chat(prompt_logprobs=-1)), 400, "prompt_logprobs"),
+    # echo asks vLLM for the prompt's log-probabilities too (chat always, a completion with logprobs)
+    Hostile("chat echo", encoded(chat(echo=True)), 400, "echo"),
+    Hostile(
+        "completion echo with logprobs",
+        encoded({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1, "max_tokens": 4}),
+        400,
+        "echo",
+        COMPLETION_PATH,
+    ),
+    # Log-probabilities per answer: 1000 tokens x (1 + 300 asked) is past ingress.max_logprobs_per_request
+    Hostile(
+        "logprob_token_ids x max_tokens",
+        encoded(chat(logprobs=True, logprob_token_ids=list(range(300)), max_tokens=1000)),
+        400,
+        "logprob_token_ids",
+    ),
+    Hostile(
+        "large body, logprob_token_ids x max_tokens",
+        padded(chat(logprobs=True, logprob_token_ids=list(range(300)), max_tokens=1000)),
+        400,
+        "logprob_token_ids",
+    ),
+    # Structured-output specs past ingress.max_grammar_chars (32768 characters of JSON)
+    Hostile(
+        "response_format of 40 KB", encoded(chat(response_format=json_schema_format(1400))), 400, "response_format"
+    ),
+    Hostile(
+        "large body, structured_outputs of 40 KB",
+        padded(chat(structured_outputs={"json": json_schema_format(1400)["json_schema"]["schema"]})),
+        400,
+        "structured_outputs",
+    ),
     # A client's own place in the engine's queue (vLLM's priority): the server's fair share sets it
     Hostile("priority -1000", encoded(chat(priority=-1000)), 400, "priority"),
     Hostile("large body, priority -1", padded(chat(priority=-1)), 400, "priority"),

@@ -18,18 +18,10 @@ from pydantic import BaseModel
 
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
+from serve_app.ingress.request_cost import BodySize, check_costs, measure
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
-from serve_app.ingress.validation import (
-    PromptSize,
-    check_choices,
-    check_extensions,
-    check_output_fits,
-    check_prompt_size,
-    check_sequences,
-    parse_request,
-    prompt_size,
-)
+from serve_app.ingress.validation import parse_request
 from serve_app.observability.record import RequestRecord
 from serve_app.protocol import GenerationRequest
 
@@ -59,18 +51,13 @@ def validated(
     """The model entry and the validated request of a decoded ``body``: 404 before any 400."""
     entry = router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    check_limits(body, entry, settings, prompt_size(body))
+    check_limits(body, entry, settings, measure(body))
     return entry, payload
 
 
-def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, prompt: PromptSize) -> None:
-    """The server's own limits on one request: its prompt's size, its answer's tokens, its choices,
-    the sequences its prompts and choices start in the engine, and the costly extensions it asks for."""
-    check_prompt_size(prompt, entry.max_model_len, settings.max_prompt_chars_per_token)
-    check_output_fits(body, entry.max_model_len, entry.max_output_tokens)
-    check_choices(body, settings.max_n)
-    check_sequences(body, prompt.prompts, settings.max_sequences)
-    check_extensions(body, settings.allow_beam_search, settings.max_prompt_logprobs)
+def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:
+    """The server's own limits on what one request costs the engine (:mod:`serve_app.ingress.request_cost`)."""
+    check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
 
 
 async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCounter | None:

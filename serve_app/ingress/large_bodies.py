@@ -29,33 +29,34 @@ from typing import Any
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
-from serve_app.ingress.validation import PromptSize, decode_body, parse_request, prompt_size
+from serve_app.ingress.request_cost import BodySize, measure
+from serve_app.ingress.validation import decode_body, parse_request
 from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")
 
 LARGE_BODY_BYTES = 256 * 1024  # smaller bodies take well under a millisecond or two: checked in line
 MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
-# What the ingress checks after validation (routing, output ceiling, choices, extensions), copied out of the body.
+# What the ingress checks after validation (routing, output ceiling, choices, extensions), copied out of the
+# body; what the rest costs is measured there (serve_app.ingress.request_cost.measure).
 CHECKED_FIELDS = (
     "model",
     "n",
     "max_tokens",
     "max_completion_tokens",
     "use_beam_search",
-    "prompt_logprobs",
     "priority",
 )
 
 
 @dataclass(frozen=True)
 class CheckedBody:
-    """What the checker sends back: the fields the ingress still needs, the prompt's size (counted
-    and measured there), and the request."""
+    """What the checker sends back: the fields the ingress still needs, what the body's costs depend
+    on (measured there), and the request."""
 
     fields: dict[str, Any]
     request: PickledRequest
-    prompt: PromptSize
+    size: BodySize
 
 
 def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIError:
@@ -74,7 +75,7 @@ def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIE
         payload.request_id,
         bool(payload.stream),
     )
-    return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, prompt_size(body))
+    return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, measure(body))
 
 
 def _import_request_models() -> None:

@@ -88,7 +88,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
         checked = await state.body_checker.check(endpoint.request_model, raw)
         body, payload = checked.fields, checked.request
         entry = state.router.route(body.get("model"))
-        check_limits(body, entry, settings, checked.prompt)
+        check_limits(body, entry, settings, checked.size)
     else:
         body = decode_body(raw)
         entry, payload = validated(state.router, settings, endpoint, body)

@@ -15,6 +15,7 @@ from serve_app.ingress.auth import APIKeys, load_api_keys
 from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
+from serve_app.ingress.request_cost import CostLimits
 from serve_app.observability.record import Observer, RequestObserver
 from serve_app.observability.request_log import log_request
 
@@ -24,11 +25,7 @@ class IngressSettings:
     max_request_body_bytes: int
     time_limits: TimeLimits
     body_timeout_s: float = 30.0  # longest a client may take to send its body
-    max_n: int = 8  # most choices one request may ask for
-    max_sequences: int = 8  # most engine sequences one request may start: prompts x choices
-    max_prompt_chars_per_token: int = 16  # a prompt's characters at most max_model_len times this
-    allow_beam_search: bool = False  # vLLM's use_beam_search
-    max_prompt_logprobs: int | None = None  # None: prompt_logprobs refused
+    costs: CostLimits = CostLimits()  # what one request may cost the engine
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
@@ -75,11 +72,7 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
     return IngressSettings(
         max_request_body_bytes=config.ingress.max_request_body_bytes,
         body_timeout_s=config.ingress.body_timeout_s,
-        max_n=config.ingress.max_n,
-        max_sequences=config.ingress.max_sequences_per_request,
-        max_prompt_chars_per_token=config.ingress.max_prompt_chars_per_token,
-        allow_beam_search=config.ingress.allow_beam_search,
-        max_prompt_logprobs=config.ingress.max_prompt_logprobs,
+        costs=CostLimits.from_config(config.ingress),
         time_limits=TimeLimits(
             request_timeout_s=config.ingress.request_timeout_s,
             first_token_timeout_s=config.ingress.first_token_timeout_s,

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from serve_app import vllm_internals
-from serve_app.config import ModelConfig, split_engine_args
+from serve_app.config import ModelConfig, PromptLogprobsConfig, split_engine_args
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger
@@ -61,7 +61,9 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Serves one model's chat and text completions from a vLLM engine."""
 
-    async def __init__(self, model: ModelConfig) -> None:  # type: ignore[misc]  # Serve awaits it
+    async def __init__(  # type: ignore[misc]  # Serve awaits it
+        self, model: ModelConfig, prompt_logprobs: PromptLogprobsConfig | None = None
+    ) -> None:
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -123,8 +125,12 @@ class ModelServer:
         await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
         stop_ids = glm4_serving.configure(state, self.engine)
         await asyncio.to_thread(vllm_internals.warm_structured_output_validation, self.engine.get_tokenizer())
-        enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP)
-        enforce_context_limit(state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP)
+        # (ingress.prompt_logprobs: the longest prompt whose log-probabilities are computed, in tokens)
+        logprobs_prompt_tokens = prompt_logprobs.max_prompt_tokens if prompt_logprobs is not None else None
+        enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP, logprobs_prompt_tokens)
+        enforce_context_limit(
+            state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP, logprobs_prompt_tokens
+        )
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.max_model_len = vllm_config.model_config.max_model_len

@@ -139,7 +139,7 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
     async def __init__(  # type: ignore[misc]  # Serve awaits it
         self, model: ModelConfig, config: AppConfig, rate_limiter: DeploymentHandle | None = None
     ) -> None:
-        await super().__init__(model)
+        await super().__init__(model, config.ingress.prompt_logprobs)
         self.front_router = ModelRouter(
             {
                 model.name: ModelEntry(

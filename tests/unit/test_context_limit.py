@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 from serve_app.replica.context_limit import (
+    asks_prompt_logprobs,
     effective_prompt_tokens,
+    enforce_context_limit,
     over_context_message,
     requested_output,
 )
@@ -32,3 +36,51 @@ def test_prompt_truncation_is_counted_as_vllm_applies_it() -> None:
     assert effective_prompt_tokens(900, SimpleNamespace(truncate_prompt_tokens=100), 1024) == 100
     assert effective_prompt_tokens(900, SimpleNamespace(truncate_prompt_tokens=-1), 1024) == 900
     assert effective_prompt_tokens(900, SimpleNamespace(), 1024) == 900
+
+
+def test_prompt_logprobs_are_asked_as_vllm_reads_its_request() -> None:
+    assert asks_prompt_logprobs(SimpleNamespace(prompt_logprobs=0, echo=False))
+    assert asks_prompt_logprobs(SimpleNamespace(prompt_logprobs=None, echo=True, messages=[]))  # chat echo: always
+    assert asks_prompt_logprobs(SimpleNamespace(prompt_logprobs=None, echo=True, logprobs=1))
+    assert not asks_prompt_logprobs(SimpleNamespace(prompt_logprobs=None, echo=True, logprobs=None))
+    assert not asks_prompt_logprobs(SimpleNamespace(prompt_logprobs=None, echo=False, messages=[]))
+
+
+class RenderingServing:
+    """vLLM's serving object as the wrapper meets it: a render step whose prompts have known lengths."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.model_config = SimpleNamespace(max_model_len=1024)
+        self.prompt_tokens = prompt_tokens
+
+    async def render(self, request: Any) -> tuple[Any, list[str]]:
+        return request, ["rendered"]
+
+    def _extract_prompt_len(self, engine_input: Any) -> int:
+        return self.prompt_tokens
+
+    def create_error_response(self, message: str, param: str) -> ErrorLike:
+        return ErrorLike(message, param)
+
+
+@dataclass
+class ErrorLike:
+    message: str
+    param: str
+
+
+async def test_a_prompt_whose_logprobs_are_asked_is_held_to_its_token_cap_on_the_rendered_tokens() -> None:
+    asked = SimpleNamespace(prompt_logprobs=1, echo=False, max_tokens=None, messages=[])
+    for tokens, refused in ((100, False), (101, True)):
+        serving = RenderingServing(tokens)
+        enforce_context_limit(serving, "render", max_logprobs_prompt_tokens=100)
+        answer = await serving.render(asked)
+        assert isinstance(answer, ErrorLike) == refused
+    assert answer == ErrorLike(
+        "prompt log-probabilities are computed for prompts of at most 100 tokens; the prompt has 101 tokens",
+        "messages",
+    )
+    not_asked = SimpleNamespace(prompt_logprobs=None, echo=False, max_tokens=None, prompt="x")
+    serving = RenderingServing(5000)
+    enforce_context_limit(serving, "render", max_logprobs_prompt_tokens=100)
+    assert not isinstance(await serving.render(not_asked), ErrorLike)
