@@ -36,8 +36,9 @@ from google.protobuf.message import Message
 
 from serve_app.errors import APIError, grpc_status
 from serve_app.grpc_api.messages import CHAT, COMPLETION, ResponseWriter, StreamShape, error_of_event, request_body
-from serve_app.ingress.admission import Endpoint, admit_key, validated
+from serve_app.ingress.admission import Endpoint, admit_key, hold_sequences, validated
 from serve_app.ingress.auth import authenticate
+from serve_app.ingress.capacity import SlotHold
 from serve_app.ingress.deadlines import Deadline, requested_timeout
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.replica_client import call_replica, settle_reply, stream_sse
@@ -45,7 +46,7 @@ from serve_app.ingress.router import ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.observability import tracing
 from serve_app.observability.record import RequestRecord, end_record
-from serve_app.protocol import Reply, with_priority
+from serve_app.protocol import Reply
 
 logger = logging.getLogger("ray.serve")
 
@@ -132,19 +133,19 @@ class GenerationService:
             try:
                 if settings.api_keys is not None:
                     record.key_id = authenticate(settings.api_keys, metadata)
-                rank: int | None = None
+                hold: SlotHold | None = None
                 if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
-                    rank = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
+                    hold = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
                 deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
                 if (size := request.ByteSize()) > settings.max_request_body_bytes:
                     raise APIError(
                         413, f"the request is {size} bytes; the limit is {settings.max_request_body_bytes} bytes"
                     )
                 body = request_body(request)
-                entry, payload = validated(self.router, settings, endpoint, body)
-                if rank is not None:
-                    payload = with_priority(payload, rank)
-                record.model, record.request_id = entry.name, payload.request_id
+                entry, payload, size = validated(self.router, settings, endpoint, body)
+                record.model = entry.name
+                payload = hold_sequences(hold, body, size, payload, record)
+                record.request_id = payload.request_id
                 if record.keep_content:
                     record.request_body = body
                 on_tokens = await admit_key(settings.key_limits, record)

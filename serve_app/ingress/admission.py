@@ -16,14 +16,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from serve_app.ingress.capacity import SlotHold
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
-from serve_app.ingress.request_cost import BodySize, check_costs, measure
+from serve_app.ingress.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.ingress.validation import parse_request
 from serve_app.observability.record import RequestRecord
-from serve_app.protocol import GenerationRequest
+from serve_app.protocol import GenerationRequest, with_priority
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,24 @@ def default_endpoints() -> list[Endpoint]:
 
 def validated(
     router: ModelRouter[Any], settings: IngressSettings, endpoint: Endpoint, body: dict[str, Any]
-) -> tuple[ModelEntry[Any], GenerationRequest]:
-    """The model entry and the validated request of a decoded ``body``: 404 before any 400."""
+) -> tuple[ModelEntry[Any], GenerationRequest, BodySize]:
+    """The model entry, the validated request and the measured costs of a decoded ``body``: 404 before any 400."""
     entry = router.route(body.get("model"))
     payload = parse_request(endpoint.request_model, body)
-    check_limits(body, entry, settings, measure(body))
-    return entry, payload
+    size = measure(body)
+    check_limits(body, entry, settings, size)
+    return entry, payload, size
+
+
+def hold_sequences(
+    hold: SlotHold | None, body: dict[str, Any], size: BodySize, payload: GenerationRequest, record: RequestRecord
+) -> GenerationRequest:
+    """With direct streaming, hold a place of the replica for each engine sequence the request starts
+    (429 if they are not free) and give the request its key's rank as its engine priority."""
+    if hold is None:
+        return payload
+    hold.grow_to(engine_sequences(body, size.prompt.prompts), record)
+    return with_priority(payload, hold.rank)
 
 
 def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:

@@ -12,6 +12,11 @@ most ``limit`` (the configured ``max_ongoing_requests`` plus ``max_queued_reques
 past it, the same 429 the relay path answers (gRPC: ``RESOURCE_EXHAUSTED``). Requests
 over the engine's batch wait in vLLM's own queue.
 
+A place is an engine sequence: a request takes one as it arrives, before its body is
+read, and once its body says it starts more (a /v1/completions prompt list times ``n``),
+as many as it starts (:class:`SlotHold`), or 429 if they are not free. So a request of
+8 sequences counts as 8 of a 64-sequence batch, where Serve counted it as one.
+
 With ``ingress.fair_share`` the count is kept per API key too (:class:`FairShare`), so
 that one key's flood cannot make another key wait behind it or be refused with it:
 
@@ -63,10 +68,10 @@ class FairShare:
         """How many places a key may hold and still take a kept one, with ``other_keys`` holding places."""
         return max(1, self.kept // (other_keys + 1))
 
-    def admits(self, held: int, key_held: int, other_keys: int) -> bool:
-        """Whether a key holding ``key_held`` of the replica's ``held`` places may take one more
-        (``held`` below ``limit``: a full replica refuses everyone)."""
-        return self.limit - held > self.kept or key_held < self.allowance(other_keys)
+    def admits(self, held: int, key_held: int, other_keys: int, places: int = 1) -> bool:
+        """Whether a key holding ``key_held`` of the replica's ``held`` places may take ``places`` more
+        (``held + places`` at most ``limit``: a full replica refuses everyone)."""
+        return self.limit - held - places >= self.kept or key_held + places <= self.allowance(other_keys)
 
 
 class GenerationSlots:
@@ -84,63 +89,85 @@ class GenerationSlots:
         self.held = 0
         self.by_key: Counter[str] = Counter()
 
-    def take(self, record: RequestRecord | None = None, key_id: str | None = None) -> int:
-        """Take a place for a request of ``key_id``; return its rank (the places its key held
-        before: 0 without fair share or a key). Raises the 429 ``overloaded`` APIError when no
-        place is free, ``fair_share_exceeded`` when only kept places are and the key holds its part,
+    def take(self, record: RequestRecord | None = None, key_id: str | None = None, places: int = 1) -> int:
+        """Take ``places`` for a request of ``key_id``; return its rank (the places its key held
+        before: 0 without fair share or a key). Raises the 429 ``overloaded`` APIError when they are
+        not free, ``fair_share_exceeded`` when only kept places are and the key holds its part,
         with ``record`` (the request's) counted against this replica's model."""
-        refusal = self._refusal(key_id)
+        refusal = self._refusal(key_id, places)
         if refusal is not None:
             if record is not None:
                 record.model = record.model or self.model
                 record.error_code = refusal.code  # (the request log's and metrics' error)
             raise refusal
-        self.held += 1
+        self.held += places
         if self.fair_share is None or key_id is None:
             return 0
         rank = self.by_key[key_id]
-        self.by_key[key_id] += 1
+        self.by_key[key_id] += places
         return rank
 
-    def give_back(self, key_id: str | None = None) -> None:
-        self.held -= 1
+    def give_back(self, key_id: str | None = None, places: int = 1) -> None:
+        self.held -= places
         if self.fair_share is not None and key_id is not None:
-            self.by_key[key_id] -= 1
+            self.by_key[key_id] -= places
             if not self.by_key[key_id]:
                 del self.by_key[key_id]
 
-    def _refusal(self, key_id: str | None) -> APIError | None:
-        if self.held >= self.limit:
+    def _refusal(self, key_id: str | None, places: int) -> APIError | None:
+        if self.held + places > self.limit:
             return overloaded()
         if self.fair_share is None or key_id is None:
             return None
         key_held = self.by_key.get(key_id, 0)
         others = len(self.by_key) - (1 if key_held else 0)
-        if self.fair_share.admits(self.held, key_held, others):
+        if self.fair_share.admits(self.held, key_held, others, places):
             return None
         return APIError(
             429,
-            f"this replica is nearly full and this API key holds {key_held} of its requests, its share "
-            "while others wait; retry shortly",
+            f"this replica is nearly full and this API key holds {key_held} of its engine sequences, its "
+            "share while others wait; retry shortly",
             code="fair_share_exceeded",
             headers={"Retry-After": "1"},
         )
 
     @contextmanager
-    def hold(self, record: RequestRecord | None = None, key_id: str | None = None) -> Iterator[int]:
-        """A place held while the block runs (:meth:`take`, then :meth:`give_back`); yields its rank."""
-        rank = self.take(record, key_id)
+    def hold(self, record: RequestRecord | None = None, key_id: str | None = None) -> Iterator[SlotHold]:
+        """One place held while the block runs, and any more the request grows to; given back after."""
+        hold = SlotHold(self, key_id, self.take(record, key_id))
         try:
-            yield rank
+            yield hold
         finally:
-            self.give_back(key_id)
+            hold.give_back()
 
 
-RANK_SCOPE_KEY = "fair_rank"  # where the middleware leaves a request's rank: request.state.fair_rank
+@dataclass
+class SlotHold:
+    """The places one request holds: one from its arrival, as many as its engine sequences once
+    its body is read (:meth:`grow_to`); its rank is fixed at arrival."""
+
+    slots: GenerationSlots
+    key_id: str | None
+    rank: int
+    places: int = 1
+
+    def grow_to(self, places: int, record: RequestRecord | None = None) -> None:
+        """Hold ``places`` in all: the request's engine sequences (429 as :meth:`GenerationSlots.take`)."""
+        if places > self.places:
+            self.slots.take(record, self.key_id, places - self.places)
+            self.places = places
+
+    def give_back(self) -> None:
+        self.slots.give_back(self.key_id, self.places)
+        self.places = 0
+
+
+SLOT_HOLD_SCOPE_KEY = "slot_hold"  # where the middleware leaves a request's SlotHold: request.state.slot_hold
 
 
 class GenerationCapacity:
-    """ASGI middleware: each generation request (a POST to one of ``paths``) holds one of ``slots``."""
+    """ASGI middleware: each generation request (a POST to one of ``paths``) holds a place of
+    ``slots`` from its arrival (more once the route reads how many sequences it starts)."""
 
     def __init__(self, app: ASGIApp, slots: GenerationSlots, paths: frozenset[str]) -> None:
         self.app = app
@@ -155,14 +182,14 @@ class GenerationCapacity:
         record = state.get("record")  # ObserveRequests's, outside this middleware
         key_id = state.get(KEY_ID_SCOPE_KEY)  # APIKeyMiddleware's, outside this one
         try:
-            rank = self.slots.take(record, key_id)
+            hold = SlotHold(self.slots, key_id, self.slots.take(record, key_id))
         except APIError as refusal:
             await _refuse(send, refusal)
             return
         try:  # (a fresh state mapping, as APIKeyMiddleware's)
-            await self.app(dict(scope, state=dict(state, **{RANK_SCOPE_KEY: rank})), receive, send)
+            await self.app(dict(scope, state=dict(state, **{SLOT_HOLD_SCOPE_KEY: hold})), receive, send)
         finally:
-            self.slots.give_back(key_id)
+            hold.give_back()
 
 
 async def _refuse(send: Send, error: APIError) -> None:

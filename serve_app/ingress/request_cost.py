@@ -255,8 +255,7 @@ def check_logprobs(body: dict[str, Any], size: BodySize, max_logprobs: int, defa
     tokens = tokens if tokens is not None else default_tokens
     if tokens is None:
         return
-    n = body.get("n")
-    sequences = size.prompt.prompts * (n if type(n) is int and n > 0 else 1)
+    sequences = engine_sequences(body, size.prompt.prompts)
     total = sequences * tokens * asked.count
     if total > max_logprobs:
         raise APIError(
@@ -305,12 +304,18 @@ def prompt_count(body: dict[str, Any]) -> int:
     return len(_prompt_list(body))
 
 
+def engine_sequences(body: dict[str, Any], prompts: int) -> int:
+    """The sequences a request starts in the engine: each prompt's each choice."""
+    n = body.get("n")
+    return prompts * (n if type(n) is int and n > 0 else 1)
+
+
 def check_sequences(body: dict[str, Any], prompts: int, max_sequences: int) -> None:
     """Each prompt's each choice is a sequence in the engine's batch, while Serve's limits and
     the autoscaler count the request as one: a request may start at most ``max_sequences``."""
     n = body.get("n")
     choices = n if type(n) is int and n > 0 else 1
-    sequences = prompts * choices
+    sequences = engine_sequences(body, prompts)
     if sequences <= max_sequences:
         return
     if prompts == 1:

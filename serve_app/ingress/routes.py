@@ -31,9 +31,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app.errors import UNAVAILABLE, APIError, error_body
-from serve_app.ingress.admission import Endpoint, admit_key, check_limits, default_endpoints, validated
+from serve_app.ingress.admission import (
+    Endpoint,
+    admit_key,
+    check_limits,
+    default_endpoints,
+    hold_sequences,
+    validated,
+)
 from serve_app.ingress.auth import APIKeyMiddleware
-from serve_app.ingress.capacity import RANK_SCOPE_KEY, GenerationCapacity
+from serve_app.ingress.capacity import SLOT_HOLD_SCOPE_KEY, GenerationCapacity
 from serve_app.ingress.deadlines import Deadline, requested_timeout
 from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.ingress.readiness import Readiness
@@ -42,7 +49,7 @@ from serve_app.ingress.router import ModelRouter
 from serve_app.ingress.settings import IngressSettings
 from serve_app.ingress.validation import decode_body
 from serve_app.observability.record import ObserveRequests, RequestRecord
-from serve_app.protocol import GenerationRequest, with_priority
+from serve_app.protocol import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -88,13 +95,13 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
         checked = await state.body_checker.check(endpoint.request_model, raw)
         body, payload = checked.fields, checked.request
         entry = state.router.route(body.get("model"))
-        check_limits(body, entry, settings, checked.size)
+        size = checked.size
+        check_limits(body, entry, settings, size)
     else:
         body = decode_body(raw)
-        entry, payload = validated(state.router, settings, endpoint, body)
-    if (rank := getattr(request.state, RANK_SCOPE_KEY, None)) is not None:  # (GenerationCapacity's)
-        payload = with_priority(payload, rank)
+        entry, payload, size = validated(state.router, settings, endpoint, body)
     record.model = entry.name
+    payload = hold_sequences(getattr(request.state, SLOT_HOLD_SCOPE_KEY, None), body, size, payload, record)
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)

@@ -7,13 +7,14 @@ proven in tests/e2e.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.testclient import TestClient
 
 from serve_app.config import CORSConfig
 from serve_app.ingress.auth import APIKeys
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
@@ -66,6 +67,7 @@ class FakeHandle:
         self.payloads: list[Any] = []
         self.trace_contexts: list[dict[str, str] | None] = []
         self.last: FakeResponses | None = None
+        self.on_call: Callable[[], None] | None = None  # run as each call is made (a test's probe)
 
     def __getattr__(self, method: str):
         handle = self
@@ -74,6 +76,8 @@ class FakeHandle:
             def remote(self, payload, trace_context=None):
                 handle.payloads.append(payload)
                 handle.trace_contexts.append(trace_context)
+                if handle.on_call is not None:
+                    handle.on_call()
                 handle.last = FakeResponses(handle.calls[min(len(handle.payloads), len(handle.calls)) - 1])
                 return handle.last
 
@@ -108,6 +112,7 @@ def client_for(
     log_content: bool = False,
     max_output_tokens: int | None = None,
     body_timeout_s: float = 30.0,
+    slots: GenerationSlots | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -125,6 +130,7 @@ def client_for(
         key_limits=key_limits,
         metrics=metrics,
         log_content=log_content,
+        generation_slots=slots,
     )
     app = build_http_app(router, settings, readiness)
     return TestClient(app, raise_server_exceptions=False), handle

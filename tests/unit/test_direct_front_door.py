@@ -15,10 +15,12 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+from serve_app.errors import APIError
 from serve_app.ingress.auth import APIKeyMiddleware, APIKeys
 from serve_app.ingress.capacity import FairShare, GenerationCapacity, GenerationSlots
 from serve_app.ingress.deadlines import DeadlineExceeded, next_before
 from serve_app.observability.record import ObserveRequests, RequestRecord
+from serve_app.protocol import Reply
 from serve_app.replica.front_door import LocalModel
 
 
@@ -174,7 +176,7 @@ async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_i
     release, ranks = asyncio.Event(), list[int]()
 
     async def generate(request: Request) -> Response:
-        ranks.append(request.state.fair_rank)
+        ranks.append(request.state.slot_hold.rank)
         await release.wait()
         return JSONResponse({"ok": True})
 
@@ -202,4 +204,50 @@ async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_i
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "fair_share_exceeded"
     assert [a.status_code for a in answers] == [200, 200, 200]
+    assert slots.held == 0 and slots.by_key == {}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "sequences"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 3),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, 4),
+        ("/v1/completions", {"prompt": "a"}, 1),
+    ],
+    ids=["chat n 3", "2 prompts n 2", "one"],
+)
+def test_a_request_holds_a_place_for_each_engine_sequence_it_starts_until_it_ends(path, body, sequences) -> None:
+    """Through the replica's real HTTP app: one place from arrival, as many as its sequences once
+    its body is read, all given back at the end; a request whose sequences are not free is the 429
+    overloaded and reaches no engine."""
+    from tests.unit.fake_ingress import client_for
+
+    slots = GenerationSlots(limit=sequences, model="glm-4-9b-chat")
+    client, handle = client_for([Reply(200, b"{}")], slots=slots)
+    held_at_call: list[int] = []
+    handle.on_call = lambda: held_at_call.append(slots.held)
+    assert client.post(path, json={"model": "glm-4-9b-chat"} | body).status_code == 200
+    assert held_at_call == [sequences] and slots.held == 0
+    tighter = GenerationSlots(limit=sequences - 1, model="glm-4-9b-chat")
+    if sequences > 1:
+        client, handle = client_for([Reply(200, b"{}")], slots=tighter)
+        refused = client.post(path, json={"model": "glm-4-9b-chat"} | body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
+        assert handle.payloads == [] and tighter.held == 0
+
+
+def test_a_keys_sequences_count_toward_its_rank_and_its_share() -> None:
+    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, kept=4))
+    with slots.hold(key_id="a") as first:
+        first.grow_to(3)
+        assert (first.rank, slots.held, slots.by_key) == (0, 3, {"a": 3})
+        with slots.hold(key_id="a") as second:
+            assert second.rank == 3  # the places its key held before: three sequences
+            second.grow_to(3)  # 6 held, 4 free, all kept: a lone key's part is 4, it holds 4 after 1
+            with pytest.raises(APIError) as refused:
+                second.grow_to(5)
+            assert refused.value.code == "fair_share_exceeded" and second.places == 3
+            with slots.hold(key_id="b") as other:
+                other.grow_to(2)  # a key holding nothing takes its part of the kept places (4 // 2)
+                assert slots.held == 8
     assert slots.held == 0 and slots.by_key == {}

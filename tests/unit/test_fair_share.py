@@ -71,8 +71,10 @@ def test_without_fair_share_or_a_key_every_request_has_rank_zero_up_to_the_limit
 
 def test_held_places_are_given_back_when_the_block_ends_even_on_error() -> None:
     slots = GenerationSlots(limit=3, fair_share=FairShare(limit=3, kept=1))
-    with pytest.raises(RuntimeError), slots.hold(key_id="a") as rank:
-        assert rank == 0 and slots.by_key == {"a": 1}
+    with pytest.raises(RuntimeError), slots.hold(key_id="a") as hold:
+        assert hold.rank == 0 and slots.by_key == {"a": 1}
+        hold.grow_to(2)
+        assert slots.by_key == {"a": 2}
         raise RuntimeError
     assert slots.held == 0 and slots.by_key == {}
 

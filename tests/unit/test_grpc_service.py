@@ -218,3 +218,17 @@ def test_health_knows_the_service_and_the_whole_server_only():
     svc, _, _ = service([])
     assert svc.health("") == (True, "") and svc.health("glm4serve.v1.Generation") == (True, "")
     assert svc.health("other.Service") is None
+
+
+def test_a_call_holds_a_place_for_each_choice_and_is_refused_when_they_are_not_free():
+    """As over HTTP: ``n`` choices are ``n`` engine sequences of the replica's places."""
+    slots = GenerationSlots(limit=3, model=MODEL)
+    svc, handle, _ = service([Reply(200, b"{}")], slots=slots)
+    held_at_call: list[int] = []
+    handle.on_call = lambda: held_at_call.append(slots.held)
+    run(svc, request(n=3), FakeContext())
+    assert held_at_call == [3] and slots.held == 0
+    context = FakeContext()
+    (final,) = run(svc, request(n=4), context)
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and final.error.code == "overloaded"
+    assert len(handle.payloads) == 1 and slots.held == 0
