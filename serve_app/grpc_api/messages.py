@@ -40,6 +40,12 @@ def request_body(request: Message) -> dict[str, Any]:
     return body
 
 
+def message_json(message_type: type[Message], raw: bytes) -> bytes:
+    """A serialized request message as the HTTP API's JSON body (:func:`request_body`): what the
+    admission pipeline parses and checks as it does an HTTP body, in the checker process when large."""
+    return json.dumps(request_body(message_type.FromString(raw)), ensure_ascii=False).encode()
+
+
 def _fields(message: Message) -> dict[str, Any]:
     """A message's set fields as JSON values; 64-bit integers stay numbers (protobuf's JSON makes them strings)."""
     fields: dict[str, Any] = {}

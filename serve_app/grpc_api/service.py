@@ -24,6 +24,7 @@ HTTP header does.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -35,8 +36,8 @@ import grpc
 from google.protobuf.message import Message
 
 from serve_app.errors import APIError, grpc_status
-from serve_app.grpc_api.messages import CHAT, COMPLETION, ResponseWriter, StreamShape, error_of_event, request_body
-from serve_app.ingress.admission import Endpoint, admit_key, hold_sequences, validated
+from serve_app.grpc_api.messages import CHAT, COMPLETION, ResponseWriter, StreamShape, error_of_event, message_json
+from serve_app.ingress.admission import Endpoint, admit
 from serve_app.ingress.auth import authenticate
 from serve_app.ingress.capacity import SlotHold
 from serve_app.ingress.deadlines import Deadline, requested_timeout
@@ -137,20 +138,16 @@ class GenerationService:
                 if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
                     hold = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
                 deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
-                if (size := request.ByteSize()) > settings.max_request_body_bytes:
-                    raise APIError(
-                        413, f"the request is {size} bytes; the limit is {settings.max_request_body_bytes} bytes"
-                    )
-                body = request_body(request)
-                entry, payload, size = validated(self.router, settings, endpoint, body)
-                record.model = entry.name
-                payload = hold_sequences(hold, body, size, payload, record)
-                record.request_id = payload.request_id
-                if record.keep_content:
-                    record.request_body = body
-                on_tokens = await admit_key(settings.key_limits, record)
+                to_json = functools.partial(message_json, type(request))
+                raw = request.SerializeToString()
+                admitted = await admit(raw, endpoint, self.router, settings, record, hold, to_json)
                 first, rest = await call_replica(
-                    entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s
+                    admitted.entry.handle,
+                    endpoint.method,
+                    admitted.payload,
+                    deadline,
+                    record,
+                    settings.unavailable_retry_s,
                 )
             except APIError as refusal:
                 yield self._end(record, writer, context, refusal)
@@ -160,12 +157,12 @@ class GenerationService:
                 yield self._end(record, writer, context, APIError(500, "internal server error", code="internal_error"))
                 return
             if isinstance(first, Reply):  # refused by the replica before any token (too long a prompt, ...)
-                settle_reply(first, record, on_tokens)
+                settle_reply(first, record, admitted.on_tokens)
                 yield self._end(record, writer, context, _error_of_reply(first))
                 return
             error: APIError | None = None
             # The relay's stream ends after an error event, once it has read the replica's outcome.
-            async with aclosing(stream_sse(first, rest, deadline, record, on_tokens)) as chunks:
+            async with aclosing(stream_sse(first, rest, deadline, record, admitted.on_tokens)) as chunks:
                 async for chunk in chunks:
                     if record.first_byte_at is None:
                         record.first_byte_at = time.monotonic()

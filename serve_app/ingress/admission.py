@@ -1,28 +1,40 @@
-"""What every generation request passes between parsing and a model replica, whichever protocol brought it.
+"""What every generation request passes between its bytes and a model replica, whichever protocol brought it.
 
 The HTTP routes (:mod:`serve_app.ingress.routes`) and the gRPC service
-(:mod:`serve_app.grpc_api.service`) read their requests differently and answer
-differently; in between they do the same: route by ``model`` (404), validate
-with vLLM's request model (:mod:`serve_app.ingress.validation`, 400), check the
-server's limits (400), and ask the key's rate limits (429). One definition here
-keeps the two front doors holding requests to the same rules.
+(:mod:`serve_app.grpc_api.service`) receive requests differently and answer
+differently. Both hand :func:`admit` the request's bytes (a gRPC message is
+given as its serialized bytes and a function that turns them into the HTTP
+API's JSON), and it does the rest the same way for both: the size limit (413),
+parsing and the structure checks (400; bodies over 256 KiB in the checker
+process, :mod:`serve_app.ingress.large_bodies`), routing by ``model`` (404),
+validation with vLLM's request model (:mod:`serve_app.ingress.validation`, 400),
+what the request may cost (:mod:`serve_app.ingress.request_cost`, 400), a
+replica place per engine sequence with its key's rank (direct streaming,
+:mod:`serve_app.ingress.capacity`, 429) and the key's rate limits (429).
+The API key and the request's first place are taken by each door as the request
+arrives, before its body is read, from the same objects (``settings.api_keys``,
+``settings.generation_slots``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
+from serve_app.errors import APIError
 from serve_app.ingress.capacity import SlotHold
+from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, ToJSON
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
 from serve_app.ingress.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.settings import IngressSettings
-from serve_app.ingress.validation import parse_request
+from serve_app.ingress.validation import decode_body, parse_request
 from serve_app.observability.record import RequestRecord
 from serve_app.protocol import GenerationRequest, with_priority
 
@@ -81,3 +93,45 @@ async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCou
         return None
     record.key_lease = await limits.admit(record.key_id)
     return functools.partial(limits.charge, record.key_id) if limits.counts_tokens else None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request let through: the model that answers it, the request to send, and whom to tell its tokens."""
+
+    entry: ModelEntry[Any]
+    payload: GenerationRequest
+    on_tokens: TokenCounter | None
+
+
+async def admit(
+    raw: bytes,
+    endpoint: Endpoint,
+    router: ModelRouter[Any],
+    settings: IngressSettings,
+    record: RequestRecord,
+    hold: SlotHold | None = None,
+    to_json: ToJSON | None = None,
+) -> Admitted:
+    """Every rule between a request's bytes and a replica (the module's docstring), raising the
+    :class:`APIError` the client gets; ``to_json`` turns ``raw`` into JSON when it is not JSON."""
+    if len(raw) > settings.max_request_body_bytes:
+        raise APIError(413, f"the request is {len(raw)} bytes; the limit is {settings.max_request_body_bytes} bytes")
+    decode: Callable[[bytes], dict[str, Any]] = (
+        decode_body if to_json is None else lambda data: decode_body(to_json(data))
+    )
+    payload: GenerationRequest
+    if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
+        checked = await settings.body_checker.check(endpoint.request_model, raw, to_json)
+        body, payload, size = checked.fields, checked.request, checked.size
+        entry = router.route(body.get("model"))
+        check_limits(body, entry, settings, size)
+    else:
+        body = decode(raw)
+        entry, payload, size = validated(router, settings, endpoint, body)
+    record.model = entry.name
+    payload = hold_sequences(hold, body, size, payload, record)
+    record.request_id, record.stream = payload.request_id, bool(payload.stream)
+    if record.keep_content:
+        record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode, raw)
+    return Admitted(entry, payload, await admit_key(settings.key_limits, record))

@@ -59,14 +59,18 @@ class CheckedBody:
     size: BodySize
 
 
-def check_body(request_model: type[BaseModel], raw: bytes) -> CheckedBody | APIError:
-    """In the checker process: :func:`decode_body` and :func:`parse_request`, answered small.
+ToJSON = Callable[[bytes], bytes]  # a request's bytes as the HTTP API's JSON (a gRPC message's); picklable
+
+
+def check_body(request_model: type[BaseModel], raw: bytes, to_json: ToJSON | None = None) -> CheckedBody | APIError:
+    """In the checker process: :func:`decode_body` (of ``to_json(raw)`` if given) and
+    :func:`parse_request`, answered small.
 
     An :class:`APIError` is returned, not raised, so it crosses the process
     boundary as the value it is.
     """
     try:
-        body = decode_body(raw)
+        body = decode_body(raw if to_json is None else to_json(raw))
         payload = parse_request(request_model, body)
     except APIError as exc:
         return exc
@@ -91,7 +95,7 @@ class BodyChecker:
 
     def __init__(
         self,
-        check: Callable[[type[BaseModel], bytes], CheckedBody | APIError] = check_body,
+        check: Callable[[type[BaseModel], bytes, ToJSON | None], CheckedBody | APIError] = check_body,
         warm: Callable[[], None] | None = _import_request_models,
     ) -> None:
         self._check = check
@@ -99,7 +103,7 @@ class BodyChecker:
         self._pool: ProcessPoolExecutor | None = None
         self._waiting = 0
 
-    async def check(self, request_model: type[BaseModel], raw: bytes) -> CheckedBody:
+    async def check(self, request_model: type[BaseModel], raw: bytes, to_json: ToJSON | None = None) -> CheckedBody:
         """The checked body, or the :class:`APIError` a client gets (400, 429, 500)."""
         if self._waiting >= MAX_WAITING:
             raise APIError(
@@ -111,7 +115,7 @@ class BodyChecker:
         self._waiting += 1
         try:
             pool = self._pool or self._start()
-            result = await asyncio.wrap_future(pool.submit(self._check, request_model, raw))
+            result = await asyncio.wrap_future(pool.submit(self._check, request_model, raw, to_json))
         except BrokenProcessPool:
             logger.error("the request body checker process died; starting another")
             self._pool = None

@@ -31,25 +31,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app.errors import UNAVAILABLE, APIError, error_body
-from serve_app.ingress.admission import (
-    Endpoint,
-    admit_key,
-    check_limits,
-    default_endpoints,
-    hold_sequences,
-    validated,
-)
+from serve_app.ingress.admission import Endpoint, admit, default_endpoints
 from serve_app.ingress.auth import APIKeyMiddleware
 from serve_app.ingress.capacity import SLOT_HOLD_SCOPE_KEY, GenerationCapacity
 from serve_app.ingress.deadlines import Deadline, requested_timeout
-from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.replica_client import relay
 from serve_app.ingress.router import ModelRouter
 from serve_app.ingress.settings import IngressSettings
-from serve_app.ingress.validation import decode_body
 from serve_app.observability.record import ObserveRequests, RequestRecord
-from serve_app.protocol import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -90,24 +80,16 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
     settings: IngressSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
-    payload: GenerationRequest
-    if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
-        checked = await state.body_checker.check(endpoint.request_model, raw)
-        body, payload = checked.fields, checked.request
-        entry = state.router.route(body.get("model"))
-        size = checked.size
-        check_limits(body, entry, settings, size)
-    else:
-        body = decode_body(raw)
-        entry, payload, size = validated(state.router, settings, endpoint, body)
-    record.model = entry.name
-    payload = hold_sequences(getattr(request.state, SLOT_HOLD_SCOPE_KEY, None), body, size, payload, record)
-    record.request_id, record.stream = payload.request_id, bool(payload.stream)
-    if record.keep_content:
-        record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode_body, raw)
-    on_tokens = await admit_key(settings.key_limits, record)
+    hold = getattr(request.state, SLOT_HOLD_SCOPE_KEY, None)  # (GenerationCapacity's)
+    admitted = await admit(raw, endpoint, state.router, settings, record, hold)
     return await relay(
-        entry.handle, endpoint.method, payload, deadline, record, settings.unavailable_retry_s, on_tokens
+        admitted.entry.handle,
+        endpoint.method,
+        admitted.payload,
+        deadline,
+        record,
+        settings.unavailable_retry_s,
+        admitted.on_tokens,
     )
 
 
@@ -212,7 +194,7 @@ def build_http_app(
             yield
         finally:
             readiness.stop()
-            app.state.body_checker.close()
+            settings.body_checker.close()
 
     app = Starlette(
         routes=routes,
@@ -229,5 +211,4 @@ def build_http_app(
     app.state.router = router
     app.state.settings = settings
     app.state.readiness = readiness
-    app.state.body_checker = BodyChecker()
     return app

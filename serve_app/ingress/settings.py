@@ -8,12 +8,13 @@ the HTTP routes (:mod:`serve_app.ingress.routes`) and the gRPC service
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serve_app.config import AppConfig, CORSConfig
 from serve_app.ingress.auth import APIKeys, load_api_keys
 from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
+from serve_app.ingress.large_bodies import BodyChecker
 from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
 from serve_app.ingress.request_cost import CostLimits
 from serve_app.observability.record import Observer, RequestObserver
@@ -39,6 +40,8 @@ class IngressSettings:
     # Direct streaming: the generation requests this model replica holds, queued ones included,
     # shared by both front doors (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
     generation_slots: GenerationSlots | None = None
+    # Bodies over 256 KiB are checked in this process's checker process, whichever door brought them.
+    body_checker: BodyChecker = field(default_factory=BodyChecker)
 
     def observers(self) -> list[Observer]:
         """Who is told of each request once it has ended: its key's limits (its place back), the

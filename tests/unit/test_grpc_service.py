@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 import grpc
+from google.protobuf import struct_pb2
 
+from serve_app.errors import APIError
 from serve_app.grpc_api import generation_pb2 as pb
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
 from serve_app.ingress.auth import APIKeys
 from serve_app.ingress.capacity import FairShare, GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
+from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.ingress.rate_limits import KeyLimits, RateLedger
 from serve_app.ingress.readiness import Readiness
 from serve_app.ingress.router import ModelEntry, ModelRouter
@@ -68,6 +72,7 @@ def service(
     key_limits: KeyLimits | None = None,
     keys: bool = False,
     slots: GenerationSlots | None = None,
+    body_checker: BodyChecker | None = None,
 ) -> tuple[GenerationService, FakeHandle, RecordingMetrics]:
     handle = FakeHandle([items])
     router = ModelRouter({MODEL: ModelEntry(MODEL, handle, 1024)})
@@ -81,6 +86,7 @@ def service(
         metrics=metrics,
         log_requests=False,
         generation_slots=slots,
+        body_checker=body_checker or BodyChecker(),
     )
     readiness = FixedReadiness(Readiness({MODEL: True}, age_s=0.5, max_age_s=30))
     return GenerationService(router, settings, default_endpoints(), readiness), handle, metrics
@@ -232,3 +238,35 @@ def test_a_call_holds_a_place_for_each_choice_and_is_refused_when_they_are_not_f
     (final,) = run(svc, request(n=4), context)
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and final.error.code == "overloaded"
     assert len(handle.payloads) == 1 and slots.held == 0
+
+
+def test_a_message_is_held_to_the_http_bodys_structure_checks():
+    """The message becomes the HTTP API's JSON and is parsed as an HTTP body is: a count of arrays
+    and objects that protobuf lets through (its depth limit is below ours) is INVALID_ARGUMENT."""
+    svc, handle, _ = service([Reply(200, b"{}")])
+    struct = struct_pb2.Struct()
+    struct.update({"type": "json_object", "pad": [[] for _ in range(100_001)]})
+    context = FakeContext()
+    (final,) = run(svc, request(response_format=struct), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 100000 arrays and objects" in final.error.message and handle.payloads == []
+
+
+def answer_with_the_checkers_pid(request_model: type, raw: bytes, to_json: Any = None) -> APIError:
+    """A check that says which process ran it and what JSON it was given (in the checker process)."""
+    body = json.loads(to_json(raw))
+    return APIError(400, f"checked in {os.getpid()}: {len(body['messages'][0]['content'])} characters")
+
+
+def test_a_large_message_is_parsed_and_checked_in_the_checker_process_as_a_large_http_body():
+    checker = BodyChecker(answer_with_the_checkers_pid, warm=None)
+    svc, handle, _ = service([Reply(200, b"{}")], body_checker=checker)
+    try:
+        big = pb.ChatCompletionRequest(model=MODEL, messages=[pb.Message(role="user", content="x" * LARGE_BODY_BYTES)])
+        context = FakeContext()
+        (final,) = run(svc, big, context)
+    finally:
+        checker.close()
+    pid, characters = final.error.message.removeprefix("checked in ").split(": ")
+    assert int(pid) != os.getpid() and characters == f"{LARGE_BODY_BYTES} characters"
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and handle.payloads == []

@@ -64,7 +64,7 @@ async def test_the_checker_process_answers_as_check_body_does():
         checker.close()
 
 
-def wait_for_file(request_model: type, raw: bytes) -> APIError:
+def wait_for_file(request_model: type, raw: bytes, to_json: object = None) -> APIError:
     """A check that takes until the test says (the file ``raw`` names exists), in the checker process."""
     try:
         wait_until_blocking(lambda: os.path.exists(raw.decode()), 60, "the test releasing the check", every_s=0.01)
@@ -73,7 +73,7 @@ def wait_for_file(request_model: type, raw: bytes) -> APIError:
     return APIError(400, "checked")
 
 
-def die(request_model: type, raw: bytes) -> APIError:
+def die(request_model: type, raw: bytes, to_json: object = None) -> APIError:
     if raw == b"die":
         os._exit(1)
     return APIError(400, "checked")
