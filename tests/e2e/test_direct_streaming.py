@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -214,9 +215,20 @@ async def test_a_request_that_meets_a_replica_whose_engine_died_is_answered_by_a
         refused = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
         assert not refused, refused
         assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
-        logged = await asyncio.to_thread(request_log_lines, session_dir, NAME, MODEL.deployment_name, dead_id)
-        met = {request_id: logged.get(request_id) for request_id, _ in answers}
-        assert all(line is not None and line["status"] == 200 for line in met.values()), met
+        sent = [request_id for request_id, _ in answers]
+
+        async def lines() -> dict[str, Any]:
+            return await asyncio.to_thread(request_log_lines, session_dir, NAME, MODEL.deployment_name, dead_id)
+
+        async def all_logged() -> bool:  # (a line is written as its request's record ends, after the answer)
+            return set(sent) <= set(await lines())
+
+        await wait_until(all_logged, 30, "the dead replica's log line of every request")
+        logged = await lines()
+        not_200 = {
+            request_id: logged[request_id]["status"] for request_id in sent if logged[request_id]["status"] != 200
+        }
+        assert not not_200, not_200
 
         async def replaced() -> bool:
             return dead not in await engines.replicas() and await running(MODEL, 2)
