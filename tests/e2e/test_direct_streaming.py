@@ -168,6 +168,25 @@ async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_
     assert [a.status_code for a in answers] == [200] * limit, [a.text for a in answers]
 
 
+async def test_a_replica_counts_its_places_in_engine_sequences(direct: RunningApp) -> None:
+    """A request of n choices holds n of the replica's places (TAKES + QUEUES = 4), not one: with
+    one of n 3 held, one of n 2 is refused (429 overloaded) and reaches no engine, one of n 1 is
+    taken; both held ones complete with their choices."""
+    engines = SimulatedEngines(MODEL)
+    async with httpx.AsyncClient(base_url=direct.url, timeout=120) as client:
+        async with engines.paused():
+            three = asyncio.create_task(client.post(CHAT_PATH, json=chat(direct.model, 4, n=3)))
+            await engines.wait_until_holding(3)
+            refused = await client.post(CHAT_PATH, json=chat(direct.model, 4, n=2))
+            one = asyncio.create_task(client.post(CHAT_PATH, json=chat(direct.model, 4)))
+            await engines.wait_until_holding(4)
+        answers = await asyncio.gather(three, one)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert [len(a.json()["choices"]) for a in answers] == [3, 1]
+
+
 FAILOVER_REQUESTS = 16
 
 
