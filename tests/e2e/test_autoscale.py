@@ -44,6 +44,7 @@ CLIENTS = 128
 TOKENS = 128
 HELD_AT_DEATH = 8  # the failing replica holds at least this many requests when its engine fails
 AFTER_DEATH = 32
+SERVE_REMOVES_S = 180  # health checks (3 x 10 s, 30 s timeout), HAProxy's 30 s drain, and margin
 
 
 def user_client(url: str) -> httpx.AsyncClient:
@@ -128,8 +129,10 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
         # The failed engine's replica is gone: by its own exit (WORKER_DIED), or stopped by Serve
         # (RAY_KILL) when Serve chose it as it scaled, or replaced it after failed health checks,
         # before it exited. No other replica died: Serve may stop one as it scales (RAY_KILL),
-        # which is no death.
-        reason = await wait_until(victim_left, 60, "the failed engine's replica gone")
+        # which is no death. Serve's way takes its health checks (the bed's: every 10 s, 30 s
+        # timeout) and HAProxy's drain (30 s): 58 s in one run, past 60 s in a CI run, so the
+        # wait allows for them; why the replica had not exited by itself is open (issue 40's note).
+        reason = await wait_until(victim_left, SERVE_REMOVES_S, "the failed engine's replica gone")
         print(f"the failed engine's replica left: {reason}")
         assert "WORKER_DIED" not in [await death_reason(survivor) for survivor in survivors]
     finally:
