@@ -313,13 +313,14 @@ def engine_sequences(body: dict[str, Any], prompts: int) -> int:
 def check_sequences(body: dict[str, Any], prompts: int, max_sequences: int) -> None:
     """Each prompt's each choice is a sequence in the engine's batch, while Serve's limits and
     the autoscaler count the request as one: a request may start at most ``max_sequences``."""
-    n = body.get("n")
-    choices = n if type(n) is int and n > 0 else 1
     sequences = engine_sequences(body, prompts)
     if sequences <= max_sequences:
         return
+    choices = sequences // prompts
     if prompts == 1:
-        raise APIError(400, f"n is {n}; this server runs at most {max_sequences} sequences per request", param="n")
+        raise APIError(
+            400, f"n is {choices}; this server runs at most {max_sequences} sequences per request", param="n"
+        )
     asked = f"{prompts} prompts" + (f" with n {choices}" if choices > 1 else "")
     raise APIError(
         400,
