@@ -24,6 +24,7 @@ import psutil
 import yaml
 from ray import serve
 from ray.serve._private.haproxy import HAProxyManager
+from ray.serve.context import _get_global_client
 from ray.util.state import list_actors
 
 from tests.waiting import wait_until
@@ -96,6 +97,29 @@ async def deployment_status(deployment: DeploymentName) -> Any:
 async def replica_states(deployment: DeploymentName) -> dict[str, int]:
     status = await deployment_status(deployment)
     return dict(status.replica_states) if status else {}
+
+
+async def deployment_details(deployment: DeploymentName) -> dict[str, Any] | None:
+    """What Serve's dashboard shows of the deployment: its config and each replica's id,
+    actor and state; None while its application is being (re)built."""
+
+    def details() -> dict[str, Any]:
+        return _get_global_client().get_serve_details()
+
+    application = (await asyncio.to_thread(details))["applications"].get(deployment.app_name)
+    return application["deployments"].get(deployment.deployment_name) if application else None
+
+
+async def running_replica_actors(deployment: DeploymentName) -> set[str]:
+    """The actor ids of the replicas Serve routes to: running, neither starting nor stopping.
+
+    A replica being replaced by a new version counts as running until Serve starts to
+    stop it, but it is about to go; a test that needs replicas to stay waits for the
+    deployment to settle first (:func:`serve_deploy_settled`).
+    """
+    details = await deployment_details(deployment)
+    replicas = details["replicas"] if details else []
+    return {replica["actor_id"] for replica in replicas if replica["state"] == "RUNNING"}
 
 
 async def running(deployment: DeploymentName, count: int) -> bool:
