@@ -547,6 +547,19 @@ class IngressConfig(_Strict):
         "structured_outputs, and tools when tool_choice forces a call. vLLM builds the grammar on the "
         "replica's event loop, in time that grows with the spec; more is a 400 naming the parameter.",
     )
+    max_token_list_entries: int = Field(
+        default=1024,
+        ge=1,
+        description="Most entries in each of a request's lists of tokens: logit_bias, allowed_token_ids and "
+        "stop_token_ids (vLLM's). The engine builds each into tensors or sets for every sequence; more is a "
+        "400 naming the list.",
+    )
+    max_bad_words: int = Field(
+        default=256,
+        ge=0,
+        description="Most entries in a request's bad_words (vLLM's). The engine checks each word in Python at "
+        "every step of each of the request's sequences, in the loop that steps the whole batch; more is a 400.",
+    )
     fair_share: bool = Field(
         default=True,
         description="With direct streaming, a replica keeps count of each API key's requests: waiting "

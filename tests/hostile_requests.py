@@ -276,6 +276,9 @@ HOSTILE: list[Hostile] = [
         400,
         "structured_outputs",
     ),
+    # Lists of tokens past ingress.max_token_list_entries (1024) and ingress.max_bad_words (256)
+    Hostile("logit_bias of 2000 tokens", encoded(chat(logit_bias={str(t): 1 for t in range(2000)})), 400, "logit_bias"),
+    Hostile("large body, bad_words of 300", padded(chat(bad_words=[f"w{i}" for i in range(300)])), 400, "bad_words"),
     # A client's own place in the engine's queue (vLLM's priority): the server's fair share sets it
     Hostile("priority -1000", encoded(chat(priority=-1000)), 400, "priority"),
     Hostile("large body, priority -1", padded(chat(priority=-1)), 400, "priority"),

@@ -4,7 +4,8 @@ Serve's concurrency limits and the autoscaler count a request as one, whatever i
 asks of the engine: 64 prompts with ``n`` 8 are 512 sequences in a batch of 64;
 ``top_logprobs`` 20 over 8192 tokens and 8 choices is 1.4 million log-probabilities
 in one unary answer; a 3 MB prompt is seconds of tokenizing; prompt log-probabilities
-take a vocabulary-wide distribution for every prompt token. :func:`measure` reads
+take a vocabulary-wide distribution for every prompt token; each of ``bad_words`` is
+checked in Python at every step of the batch. :func:`measure` reads
 what such costs depend on from a decoded body (in the large-body checker's process
 when the body is large), and :func:`check_costs` holds it to the serve config's
 limits (:class:`CostLimits`), each refusal a 400 naming the parameter and the limit.
@@ -32,6 +33,8 @@ class CostLimits:
     prompt_logprobs: PromptLogprobsConfig | None = None  # None: refused
     max_logprobs: int = 200_000  # log-probabilities one answer may carry
     max_grammar_chars: int = 32_768  # characters of JSON in a request's structured-output specs
+    max_token_list_entries: int = 1024  # entries in logit_bias, allowed_token_ids, stop_token_ids each
+    max_bad_words: int = 256  # entries in bad_words
 
     @classmethod
     def from_config(cls, ingress: IngressConfig) -> CostLimits:
@@ -43,6 +46,8 @@ class CostLimits:
             prompt_logprobs=ingress.prompt_logprobs,
             max_logprobs=ingress.max_logprobs_per_request,
             max_grammar_chars=ingress.max_grammar_chars,
+            max_token_list_entries=ingress.max_token_list_entries,
+            max_bad_words=ingress.max_bad_words,
         )
 
 
@@ -74,6 +79,8 @@ class BodySize:
     grammar_param: str = "response_format"  # the largest of them, named by a refusal
     logprobs: Asked | None = None  # log-probabilities per generated token
     prompt_logprobs: Asked | None = None  # per prompt token (vLLM's prompt_logprobs, or echo's)
+    token_list: Asked | None = None  # the longest of its lists of tokens, and its entries
+    bad_words: int = 0
 
 
 def measure(body: dict[str, Any]) -> BodySize:
@@ -85,6 +92,8 @@ def measure(body: dict[str, Any]) -> BodySize:
         largest,
         logprobs_asked(body),
         prompt_logprobs_asked(body),
+        longest_token_list(body),
+        _entries(body.get("bad_words")),
     )
 
 
@@ -104,6 +113,7 @@ def check_costs(
     check_prompt_logprobs(size, limits.prompt_logprobs, limits.max_prompt_chars_per_token)
     check_logprobs(body, size, limits.max_logprobs, max_output_tokens or max_model_len)
     check_grammar_size(size, limits.max_grammar_chars)
+    check_token_lists(size, limits.max_token_list_entries, limits.max_bad_words)
 
 
 def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_output_tokens: int | None = None) -> None:
@@ -287,6 +297,35 @@ def check_grammar_size(size: BodySize, max_chars: int) -> None:
             f"the structured-output specs take {size.grammar_chars} characters of JSON; this server builds "
             f"grammars from at most {max_chars}",
             param=size.grammar_param,
+        )
+
+
+TOKEN_LISTS = ("logit_bias", "allowed_token_ids", "stop_token_ids")
+
+
+def _entries(value: Any) -> int:
+    return len(value) if isinstance(value, (list, dict)) else 0
+
+
+def longest_token_list(body: dict[str, Any]) -> Asked | None:
+    """The longest of a request's lists of tokens (:data:`TOKEN_LISTS`), None if it sends none."""
+    lists = [Asked(name, _entries(body.get(name))) for name in TOKEN_LISTS if body.get(name)]
+    return max(lists, key=lambda asked: asked.count, default=None)
+
+
+def check_token_lists(size: BodySize, max_entries: int, max_bad_words: int) -> None:
+    if size.token_list is not None and size.token_list.count > max_entries:
+        raise APIError(
+            400,
+            f"{size.token_list.param} has {size.token_list.count} entries; this server takes at most {max_entries}",
+            param=size.token_list.param,
+        )
+    if size.bad_words > max_bad_words:
+        raise APIError(
+            400,
+            f"bad_words has {size.bad_words} words; the engine checks each at every step, and this server "
+            f"takes at most {max_bad_words}",
+            param="bad_words",
         )
 
 

@@ -18,6 +18,7 @@ from serve_app.ingress.request_cost import (
     check_sequences,
     grammar_specs,
     logprobs_asked,
+    longest_token_list,
     measure,
     prompt_count,
     prompt_logprobs_asked,
@@ -232,6 +233,30 @@ def test_structured_output_specs_are_measured_as_json_and_the_largest_is_named()
     passes(forced, limit)
     error = refusal(forced, CostLimits(max_grammar_chars=size.grammar_chars - 1))
     assert error.param == "tools" and str(size.grammar_chars) in error.message
+
+
+def test_the_longest_list_of_tokens_is_measured_and_named():
+    assert longest_token_list(CHAT) is None
+    body = CHAT | {"logit_bias": {str(t): 1 for t in range(5)}, "allowed_token_ids": [1, 2], "stop_token_ids": [3]}
+    assert longest_token_list(body) == Asked("logit_bias", 5)
+    assert longest_token_list(body | {"stop_token_ids": list(range(9))}) == Asked("stop_token_ids", 9)
+
+
+@pytest.mark.parametrize("param", ["logit_bias", "allowed_token_ids", "stop_token_ids"])
+def test_a_list_of_tokens_past_its_bound_is_400_naming_it(param):
+    tokens = list(range(11))
+    body = CHAT | {param: {str(t): 1 for t in tokens} if param == "logit_bias" else tokens}
+    passes(body, CostLimits(max_token_list_entries=11))
+    error = refusal(body, CostLimits(max_token_list_entries=10))
+    assert error.param == param and "11 entries" in error.message and "at most 10" in error.message
+
+
+def test_bad_words_past_their_bound_are_400():
+    body = CHAT | {"bad_words": [f"w{i}" for i in range(4)]}
+    passes(body, CostLimits(max_bad_words=4))
+    error = refusal(body, CostLimits(max_bad_words=3))
+    assert error.param == "bad_words" and "4 words" in error.message and "at most 3" in error.message
+    assert refusal(body, CostLimits(max_bad_words=0)).param == "bad_words"
 
 
 def test_a_body_is_measured_once_for_every_rule():
