@@ -113,7 +113,7 @@ class RateLedger:
             self.leases.setdefault(key_id, {})[lease_id] = now + lease_s
         return Decision(True)
 
-    def release(self, key_id: str, lease_id: str, *, now: float) -> None:
+    def release(self, key_id: str, lease_id: str) -> None:
         """Give back a lease (a request of the key ended)."""
         held = self.leases.get(key_id)
         if held is not None:
@@ -172,7 +172,7 @@ class RateLimiter:
         self.ledger.charge(key_id, tokens, now=time.monotonic())
 
     async def release(self, key_id: str, lease_id: str) -> None:
-        self.ledger.release(key_id, lease_id, now=time.monotonic())
+        self.ledger.release(key_id, lease_id)
 
 
 def rate_limited(decision: Decision) -> APIError:
@@ -262,7 +262,7 @@ class KeyLimits:
 
     def request_ended(self, record: RequestRecord) -> None:
         """An observer of every request's end (see :func:`serve_app.observability.record.end_record`)."""
-        if isinstance(record.key_lease, KeyLease):
+        if record.key_lease is not None:
             self.ended(record.key_lease)
             record.key_lease = None
 

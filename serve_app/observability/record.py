@@ -15,7 +15,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +23,9 @@ from serve_app.errors import grpc_status
 from serve_app.ingress.route_path import route_path
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome
+
+if TYPE_CHECKING:  # (rate_limits reads RequestRecord)
+    from serve_app.ingress.rate_limits import KeyLease
 
 CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
 
@@ -42,7 +45,7 @@ class RequestRecord:
     model: str | None = None  # set once routed; never a client's unknown model name
     request_id: str | None = None
     key_id: str | None = None  # hashed API key, when keys are configured
-    key_lease: Any = None  # its place among its key's requests at once (rate_limits.KeyLease), given back at its end
+    key_lease: KeyLease | None = None  # its place among its key's requests at once, given back at its end
     stream: bool = False
     phase: Phase = Phase.RECEIVED
     status: int | None = None
