@@ -19,9 +19,10 @@ from typing import Any, cast
 
 from ray.serve import Application, Deployment
 
-from serve_app.config import AppConfig, parse_app_config
+from serve_app.config import AppConfig, ModelConfig, parse_app_config
 from serve_app.ingress.deployment import Ingress
 from serve_app.ingress.rate_limits import RateLimiter
+from serve_app.priority_router import ROUTER_CLASS_PATH as PRIORITY_ROUTER_CLASS
 from serve_app.replica.deployment import ModelServer
 from serve_app.serve_internals import haproxy_enabled, with_ingress_request_router
 
@@ -41,13 +42,23 @@ def build_app(args: dict[str, Any]) -> Application:
         rate_limiter = deployment(RateLimiter).options(name="rate-limiter", **limits.deployment).bind(limits)
     if config.ingress.direct_streaming:
         return direct_streaming_app(config, rate_limiter)
-    handles = {
-        model.name: deployment(ModelServer)
-        .options(name=model.deployment_name, **model.resolved_deployment(config.ingress.request_timeout_s))
-        .bind(model, config.ingress.prompt_logprobs)
-        for model in config.models
-    }
+    handles = {model.name: relayed_model(model, config) for model in config.models}
     return deployment(Ingress).options(**config.ingress.resolved_deployment()).bind(config, handles, rate_limiter)
+
+
+def relayed_model(model: ModelConfig, config: AppConfig) -> Application:
+    """A model deployment the ingress relays requests to. With fair share, the engine schedules
+    waiting requests by priority, and so does the request router (prefix-aware, or Serve's power
+    of two choices in priority order) for those waiting in the ingress for a replica."""
+    options = model.resolved_deployment(config.ingress.request_timeout_s)
+    if config.ingress.applies_fair_share:
+        model = model.with_priority_scheduling()
+        options.setdefault("request_router_config", {"request_router_class": PRIORITY_ROUTER_CLASS})
+    return (
+        deployment(ModelServer)
+        .options(name=model.deployment_name, **options)
+        .bind(model, config.ingress.prompt_logprobs)
+    )
 
 
 def direct_streaming_app(config: AppConfig, rate_limiter: Application | None) -> Application:

@@ -562,13 +562,13 @@ class IngressConfig(_Strict):
     )
     fair_share: bool = Field(
         default=True,
-        description="With direct streaming, a replica keeps count of each API key's requests: waiting "
-        "requests are served by how many their key holds there (vLLM's priority scheduling, set on the "
-        "engine), and its last places (one batch's worth, at most half of max_queued_requests) go only to "
-        "keys holding fewer than their part of them; a key refused for that gets 429 "
-        "fair_share_exceeded. So one key's flood neither delays another key's request past about one "
-        'slot\'s turnover nor gets it refused (docs/api-behaviour.md, "Fair share between API keys"). '
-        "Needs api_keys; the relay path does not apply it.",
+        description="Each API key's requests are counted where they wait: waiting requests are served by "
+        "how many their key holds there (vLLM's priority scheduling, set on the engine; on the relay path "
+        "also Serve's queue in the ingress, by the model deployment's request router), and the last places "
+        "(one batch's worth: at most half of max_queued_requests) go only to keys holding fewer than their "
+        "part of them; a key refused for that gets 429 fair_share_exceeded. So one key's flood neither "
+        "delays another key's request past about one slot's turnover nor gets it refused "
+        '(docs/api-behaviour.md, "Fair share between API keys"). Needs api_keys.',
     )
     health_max_age_s: float = Field(
         default=30.0,
@@ -615,9 +615,8 @@ class IngressConfig(_Strict):
 
     @property
     def applies_fair_share(self) -> bool:
-        """Whether model replicas share their places fairly between API keys: fair_share, on the
-        direct path (the relay path does not apply it), with keys to tell tenants apart."""
-        return self.fair_share and self.direct_streaming and self.api_keys is not None
+        """Whether places are shared fairly between API keys: fair_share, with keys to tell tenants apart."""
+        return self.fair_share and self.api_keys is not None
 
     def resolved_deployment(self) -> dict[str, Any]:
         """Deployment options; an ingress replica being replaced drains its streams too."""

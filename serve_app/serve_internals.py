@@ -88,3 +88,61 @@ def _tell_router(handle: DeploymentHandle, internal_request_id: str, replica_id:
         request_router.on_replica_picked(internal_request_id, replica_id)
     else:  # Serve runs the router on a loop of its own (not in throughput mode)
         router._event_loop.call_soon_threadsafe(request_router.on_replica_picked, internal_request_id, replica_id)
+
+
+def request_priority(pending_request: Any) -> int:
+    """The vLLM ``priority`` a request waiting in a request router carries (its first argument, the
+    validated request; 0 when it has none): :class:`PriorityOrder` routes the lowest first."""
+    args = pending_request.args
+    priority = getattr(args[0], "priority", 0) if args else 0
+    return priority if type(priority) is int else 0
+
+
+class PriorityOrder:
+    """A request router mixin: of the requests waiting in it, the lowest ``priority`` is routed
+    next (then the oldest), where Serve routes the oldest.
+
+    On the relay path the ingress gives each request its API key's rank (the requests its key
+    already holds, :class:`serve_app.ingress.capacity.QueueShare`) as its priority, so requests
+    waiting in Serve's queue for a replica go as vLLM's priority scheduling takes them in the
+    engine. Serve starts at most two routing tasks per replica, each taking the next request
+    (here the lowest); each task's choice goes to its own request, where Serve's FIFO routers
+    give it to the oldest waiting.
+    """
+
+    _pending_requests_to_route: Any  # (Serve's: a deque of PendingRequest)
+
+    def _get_next_pending_request_to_route(self) -> Any:
+        queue = self._pending_requests_to_route
+        waiting = [pr for pr in queue if not pr.future.done()]
+        queue.clear()
+        if not waiting:
+            return None
+        chosen = min(waiting, key=request_priority)  # (the first of the lowest: the oldest)
+        queue.extend(pr for pr in waiting if pr is not chosen)
+        return chosen
+
+    def _fulfill_next_pending_request(self, replica: Any, request_metadata: Any = None) -> None:
+        from ray.serve._private.request_router.request_router import RequestRouter
+
+        RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """A handle's queue in Serve's router: requests waiting for a replica, and its
+    ``max_queued_requests`` (-1: unbounded, or not known before the handle's first request)."""
+
+    queued: int
+    limit: int
+
+
+def queue_state(handle: DeploymentHandle) -> QueueState:
+    """How many of this process's requests to the handle's deployment wait for a replica
+    (Serve's count, the one it refuses past ``max_queued_requests`` with)."""
+    router = getattr(handle, "_router", None)
+    if router is None:  # (made at the handle's first request: nothing waits yet)
+        return QueueState(0, -1)
+    metrics = router._asyncio_router._metrics_manager
+    config = metrics._deployment_config
+    return QueueState(metrics.num_queued_requests, config.max_queued_requests if config is not None else -1)

@@ -80,6 +80,17 @@ def hold_sequences(
     return with_priority(payload, hold.rank)
 
 
+def hold_queue_place(
+    settings: IngressSettings, model: str, payload: GenerationRequest, record: RequestRecord
+) -> GenerationRequest:
+    """On the relay path with fair share, hold the request's place among its key's requests to the
+    model (429 ``fair_share_exceeded`` past its share of a nearly full queue), its rank its priority."""
+    if settings.queue_shares is None or record.key_id is None:
+        return payload
+    record.queue_hold = settings.queue_shares[model].take(record.key_id, record)
+    return with_priority(payload, record.queue_hold.rank)
+
+
 def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:
     """The server's own limits on what one request costs the engine (:mod:`serve_app.ingress.request_cost`)."""
     check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
@@ -131,6 +142,7 @@ async def admit(
         entry, payload, size = validated(router, settings, endpoint, body)
     record.model = entry.name
     payload = hold_sequences(hold, body, size, payload, record)
+    payload = hold_queue_place(settings, entry.name, payload, record)
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode, raw)

@@ -36,7 +36,7 @@ fewer requests than it ranks; it never waits behind later requests of its own ra
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -46,6 +46,7 @@ from serve_app.errors import APIError, overloaded
 from serve_app.ingress.auth import KEY_ID_SCOPE_KEY
 from serve_app.ingress.route_path import route_path
 from serve_app.observability.record import RequestRecord
+from serve_app.serve_internals import QueueState
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class FairShare:
     def for_replica(cls, limit: int, runs_at_once: int) -> FairShare:
         """Keep one batch's worth of places (``runs_at_once``), at most half of those that wait."""
         return cls(limit, max(0, min(runs_at_once, (limit - runs_at_once) // 2)))
+
+    @classmethod
+    def for_queue(cls, limit: int, runs_at_once: int) -> FairShare:
+        """Serve's queue on the relay path: keep one batch's worth of its places, at most half."""
+        return cls(limit, min(runs_at_once, limit // 2))
 
     def allowance(self, other_keys: int) -> int:
         """How many places a key may hold and still take a kept one, with ``other_keys`` holding places."""
@@ -123,12 +129,8 @@ class GenerationSlots:
         others = len(self.by_key) - (1 if key_held else 0)
         if self.fair_share.admits(self.held, key_held, others, places):
             return None
-        return APIError(
-            429,
-            f"this replica is nearly full and this API key holds {key_held} of its engine sequences, its "
-            "share while others wait; retry shortly",
-            code="fair_share_exceeded",
-            headers={"Retry-After": "1"},
+        return fair_share_exceeded(
+            f"this replica is nearly full and this API key holds {key_held} of its engine sequences"
         )
 
     @contextmanager
@@ -160,6 +162,76 @@ class SlotHold:
     def give_back(self) -> None:
         self.slots.give_back(self.key_id, self.places)
         self.places = 0
+
+
+def fair_share_exceeded(why: str) -> APIError:
+    return APIError(
+        429,
+        f"{why}, its share while others wait; retry shortly",
+        code="fair_share_exceeded",
+        headers={"Retry-After": "1"},
+    )
+
+
+class QueueShare:
+    """The relay path's fair share: requests this ingress replica sends one model deployment, per API key.
+
+    Requests wait for a replica in Serve's queue in this process, at most
+    ``max_queued_requests`` (past it Serve refuses: 429 ``overloaded``). As on a direct
+    replica, each request gets its key's rank as its priority (the requests its key holds
+    here, waiting or answered), which the model deployment's request router routes by
+    (:class:`serve_app.serve_internals.PriorityOrder`) and vLLM schedules by; and the queue's
+    last places (``FairShare.for_queue``) go only to keys holding fewer requests than their
+    part of them. Counted in requests, as Serve's queue counts them.
+    """
+
+    def __init__(self, queue: Callable[[], QueueState], runs_at_once: int) -> None:
+        self.queue = queue  # Serve's queue for the deployment, read when a request comes
+        self.runs_at_once = runs_at_once
+        self.by_key: Counter[str] = Counter()
+
+    def take(self, key_id: str, record: RequestRecord | None = None) -> QueueHold:
+        """A place for a request of ``key_id``, ranked by the requests its key holds here; the 429
+        ``fair_share_exceeded`` when the queue is nearly full and the key holds its part."""
+        key_held = self.by_key[key_id]
+        state = self.queue()
+        if state.limit >= 0:
+            others = len(self.by_key) - (1 if key_held else 0)
+            if not FairShare.for_queue(state.limit, self.runs_at_once).admits(state.queued, key_held, others):
+                refusal = fair_share_exceeded(
+                    f"the model's queue is nearly full and this API key holds {key_held} of its requests"
+                )
+                if record is not None:
+                    record.error_code = refusal.code
+                raise refusal
+        self.by_key[key_id] += 1
+        return QueueHold(self, key_id, key_held)
+
+    def give_back(self, key_id: str) -> None:
+        self.by_key[key_id] -= 1
+        if not self.by_key[key_id]:
+            del self.by_key[key_id]
+
+
+@dataclass
+class QueueHold:
+    """A request's place in a :class:`QueueShare`, given back once (as the request ends)."""
+
+    share: QueueShare
+    key_id: str
+    rank: int
+    held: bool = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.share.give_back(self.key_id)
+
+
+def give_back_queue_place(record: RequestRecord) -> None:
+    """An observer of every request's end (:meth:`serve_app.ingress.settings.IngressSettings.observers`)."""
+    if record.queue_hold is not None:
+        record.queue_hold.give_back()
 
 
 SLOT_HOLD_SCOPE_KEY = "slot_hold"  # where the middleware leaves a request's SlotHold: request.state.slot_hold

@@ -11,6 +11,9 @@ or queues behind generation requests.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.applications import Starlette
@@ -19,17 +22,19 @@ from serve_app.config import AppConfig
 from serve_app.grpc_api.methods import GenerationMethods
 from serve_app.grpc_api.service import GenerationService
 from serve_app.ingress.admission import default_endpoints
+from serve_app.ingress.capacity import QueueShare
 from serve_app.ingress.readiness import ReadinessWatch
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.routes import build_http_app
 from serve_app.ingress.settings import ingress_settings
 from serve_app.observability import tracing
+from serve_app.serve_internals import queue_state
 
 # The model deployments' request router (prefix routing) is built on Serve's router thread,
 # and it renders prompts with transformers. Imported here first, on the replica's main thread:
 # transformers' lazy modules imported from two threads at once fail (ImportError in vLLM's own
 # import of transformers, seen at the ingress's start).
-from serve_app.prefix_routing import router as _prefix_router  # noqa: F401
+from serve_app.prefix_routing import router as _prefix_router  # noqa: F401  # isort: skip
 
 
 @serve.deployment
@@ -55,6 +60,12 @@ class Ingress(GenerationMethods):
             }
         )
         self.settings = ingress_settings(config, rate_limiter)
+        if config.ingress.applies_fair_share:
+            shares = {
+                m.name: QueueShare(partial(queue_state, self.router.entries[m.name].handle), m.runs_at_once())
+                for m in config.models
+            }
+            self.settings = replace(self.settings, queue_shares=shares)
         self.readiness = ReadinessWatch(
             serve.status,
             serve.get_replica_context().app_name,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from serve_app.config import AppConfig, CORSConfig
 from serve_app.ingress.auth import APIKeys, load_api_keys
-from serve_app.ingress.capacity import GenerationSlots
+from serve_app.ingress.capacity import GenerationSlots, QueueShare, give_back_queue_place
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.large_bodies import BodyChecker
 from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
@@ -40,13 +40,17 @@ class IngressSettings:
     # Direct streaming: the generation requests this model replica holds, queued ones included,
     # shared by both front doors (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
     generation_slots: GenerationSlots | None = None
+    # The relay path with fair share: each model's requests from this replica per API key, against
+    # Serve's queue for it (serve_app.ingress.capacity), by model name; None: not counted.
+    queue_shares: dict[str, QueueShare] | None = None
     # Bodies over 256 KiB are checked in this process's checker process, whichever door brought them.
     body_checker: BodyChecker = field(default_factory=BodyChecker)
 
     def observers(self) -> list[Observer]:
         """Who is told of each request once it has ended: its key's limits (its place back), the
         metrics, then the log line."""
-        observers: list[Observer] = [self.key_limits.request_ended] if self.key_limits is not None else []
+        observers: list[Observer] = [give_back_queue_place] if self.queue_shares is not None else []
+        observers += [self.key_limits.request_ended] if self.key_limits is not None else []
         observers += [self.metrics.ended] if self.metrics is not None else []
         return observers + ([log_request] if self.log_requests else [])
 

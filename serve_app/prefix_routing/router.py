@@ -45,6 +45,7 @@ from serve_app.prefix_routing.table import (
     opening_digest,
     prefix_blocks,
 )
+from serve_app.serve_internals import PriorityOrder
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,7 +66,7 @@ def template_text(chat_template: str | None) -> str:
     return path.read_text() if "{" not in chat_template and path.is_file() else chat_template
 
 
-class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityRouter(PriorityOrder, LocalityMixin, MultiplexMixin, RequestRouter):
     """Prefers the replica that holds a request's prompt prefix, unless it is much busier."""
 
     def initialize_state(

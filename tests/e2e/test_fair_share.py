@@ -8,6 +8,9 @@ then B's, ranked 0. Resumed, the engine runs 64 at a time: B's is in the first 6
 A's first), where arrival order (first come, first served) would have put it last, behind A's 96
 waiting requests. Every request of both keys completes in full.
 
+On the relay path the same holds of the requests waiting in Serve's queue in the ingress,
+which the model deployment's request router routes by rank.
+
 With ``rate_limits.max_concurrent_requests`` a key past its requests at once gets 429 while
 another key's request goes ahead; the places come back as requests end. With the shared
 limiter unreachable (its one replica cannot be placed), the replica holds each key to the
@@ -28,11 +31,19 @@ import yaml
 
 from tests.e2e.apps import application
 from tests.e2e.bodies import chat
-from tests.e2e.serve_state import only_one_running, serve_deploy, serve_deploy_settled
+from tests.e2e.serve_state import (
+    DeploymentName,
+    live_replicas,
+    ongoing_at,
+    only_one_running,
+    serve_deploy,
+    serve_deploy_settled,
+)
 from tests.waiting import wait_until
 
 FLOOD_KEY, LIGHT_KEY = "sk-e2e-flood-6d2a91-0123456789", "sk-e2e-light-1c77f0-0123456789"
 FLOOD = 160  # more than the replica runs at once (64): 96 wait
+RUNS_AT_ONCE = 64  # the bed's batch (max_num_seqs), and its replica's max_ongoing_requests on the relay path
 FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps
 LIGHT_TOKENS = 8
 
@@ -98,6 +109,38 @@ async def test_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind
     started_after_light = sum(1 for _, first, _ in flooded if first > light_first)
     # The 96 that waited for a second wave (first come, first served: none).
     assert started_after_light >= FLOOD - 64, started_after_light
+
+
+async def test_on_the_relay_path_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind_it(
+    restored, cluster, tmp_path
+):
+    """The same through an ingress replica: the engine runs A's first 64, the other 96 wait in
+    Serve's queue in the ingress, then B's, ranked 0. The model deployment's request router routes
+    the waiting by rank: once the first wave ends, B's goes with the second, where arrival order
+    would have put it in the third, behind A's 96."""
+    bed = restored
+    await serve_deploy_settled(keyed_config(bed, tmp_path, direct_streaming=False), cluster)
+    (ingress,) = await live_replicas(DeploymentName(bed.app.name, "Ingress"))
+
+    async def ingress_holds(count: int) -> bool:
+        return await ongoing_at(ingress) >= count
+
+    limits = httpx.Limits(max_connections=FLOOD + 8, max_keepalive_connections=FLOOD + 8)
+    async with httpx.AsyncClient(base_url=bed.app.url, timeout=120, limits=limits) as client:
+        async with bed.engines.paused():
+            flood = [
+                asyncio.create_task(streamed(client, FLOOD_KEY, FLOOD_TOKENS, bed.app.model)) for _ in range(FLOOD)
+            ]
+            await bed.engines.wait_until_holding(RUNS_AT_ONCE)
+            await wait_until(lambda: ingress_holds(FLOOD), 60, f"the ingress holding {FLOOD}")
+            light = asyncio.create_task(streamed(client, LIGHT_KEY, LIGHT_TOKENS, bed.app.model))
+            await wait_until(lambda: ingress_holds(FLOOD + 1), 60, f"the ingress holding {FLOOD + 1}")
+        flooded, (light_status, light_first, light_complete) = await asyncio.gather(*flood), await light
+    assert (light_status, light_complete) == (200, True)
+    assert [(status, complete) for status, _, complete in flooded] == [(200, True)] * FLOOD
+    started_after_light = sum(1 for _, first, _ in flooded if first > light_first)
+    # At least the 32 of the third wave (first come, first served: none).
+    assert started_after_light >= FLOOD - 2 * RUNS_AT_ONCE, started_after_light
 
 
 async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_without_it_by_the_replica(

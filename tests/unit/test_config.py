@@ -362,7 +362,9 @@ def test_fair_share_is_on_by_default_and_refuses_an_engine_scheduling_first_come
     with pytest.raises(ConfigError, match="scheduling_policy is 'fcfs': ingress.fair_share schedules"):
         parse_app_config(fcfs | direct)
     assert parse_app_config(fcfs | {"ingress": {"direct_streaming": True, "fair_share": False} | keys})
-    assert not parse_app_config(fcfs | {"ingress": keys}).ingress.applies_fair_share  # the relay path
+    with pytest.raises(ConfigError, match="scheduling_policy is 'fcfs'"):
+        parse_app_config(fcfs | {"ingress": keys})  # the relay path: fair share too
+    assert parse_app_config(minimal() | {"ingress": keys}).ingress.applies_fair_share
     assert not parse_app_config(fcfs | {"ingress": {"direct_streaming": True}}).ingress.applies_fair_share
     model = parse_app_config(minimal()).models[0]
     assert model.with_priority_scheduling().engine_args == model.engine_args | {"scheduling_policy": "priority"}
