@@ -10,7 +10,7 @@ refused one is sent again after its ``Retry-After``), and once A's first refusal
 ``--settle-s`` passed, key B sends the same requests again. Reports B's time to first token
 (p50, p99) alone and under the flood, A's TTFT p99 and what A's requests got (status counts).
 ``--no-fair-share`` sets ``ingress.fair_share: false``; ``--relay`` answers through ingress
-replicas (``ingress.direct_streaming: false``), where fair share does not apply.
+replicas (``ingress.direct_streaming: false``), where fair share applies to Serve's queue in the ingress.
 
 Key B's client runs in a process of its own, with httpx. The flood's streams are plain HTTP/1.1
 on sockets, their bodies read in blocks and not parsed (:func:`raw_stream`): with httpx the
