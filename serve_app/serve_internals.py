@@ -114,10 +114,14 @@ class PriorityOrder:
 
     def _get_next_pending_request_to_route(self) -> Any:
         queue = self._pending_requests_to_route
+        while queue and queue[0].future.done():
+            queue.popleft()
+        if not queue:
+            return None
+        if request_priority(queue[0]) <= 0:  # (no rank is below 0: the oldest goes, as in Serve, in O(1))
+            return queue.popleft()
         waiting = [pr for pr in queue if not pr.future.done()]
         queue.clear()
-        if not waiting:
-            return None
         chosen = min(waiting, key=request_priority)  # (the first of the lowest: the oldest)
         queue.extend(pr for pr in waiting if pr is not chosen)
         return chosen
