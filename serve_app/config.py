@@ -547,6 +547,17 @@ class IngressConfig(_Strict):
         "structured_outputs, and tools when tool_choice forces a call. vLLM builds the grammar on the "
         "replica's event loop, in time that grows with the spec; more is a 400 naming the parameter.",
     )
+    max_grammar_build_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Longest a request's grammar may take to build. A spec's size does not bound that work "
+        '({"type": "array", "maxItems": 1000000000} is 52 characters, and llguidance builds its items for '
+        "hours in memory that grows with them), and vLLM builds it where it cannot be stopped: on the "
+        "replica's event loop, then in the engine. So the ingress builds it first as both will, in its "
+        "checker process, which is killed at this limit and started again; the request gets a 400 "
+        "grammar_too_costly naming the parameter. Specs at max_grammar_chars build there in about 0.1 s "
+        "on a 2-core VM (docs/performance.md).",
+    )
     max_token_list_entries: int = Field(
         default=1024,
         ge=1,

@@ -11,6 +11,7 @@ attribute named here still exists in the installed vLLM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import logging.handlers
 from collections.abc import Callable, Iterator
@@ -246,3 +247,70 @@ def warm_structured_output_validation(tokenizer: Any) -> None:
     import vllm.sampling_params
 
     vllm.sampling_params._get_llg_tokenizer(tokenizer)
+
+
+class _ByteTokens:
+    """A tokenizer of the 256 bytes and an end token, for llguidance (its ``TokenizerWrapper``'s fields)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()))
+
+
+def build_request_grammar(request: Any) -> str | None:
+    """Build a validated chat or completion request's grammar as vLLM will, and return the error its
+    engine would meet, if the client can be told (else None).
+
+    The steps are vLLM's: the JSON schema a forced tool call adds (``ToolParser.adjust_request``),
+    the sampling parameters, the front end's validation (``validate_guidance_grammar``, whose
+    errors the replica answers with vLLM's message), then the engine's ``LLMatcher``, with the
+    serve configs' ``structured_outputs_config``. A matcher that fails to build leaves vLLM's engine
+    a mask of only the end token (the answer empty, a 200), so its error is returned, but only for
+    JSON schemas, regexes and choices: the matcher here has a stand-in tokenizer of bytes, and
+    a Lark grammar may name the model's own special tokens."""
+    import llguidance
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+    from vllm.v1.structured_output.backend_guidance import serialize_guidance_grammar, validate_guidance_grammar
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            schema = get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
+            if schema is not None:
+                request.structured_outputs = StructuredOutputsParams(json=schema)
+                request.response_format = None
+        params = request.to_sampling_params(max_tokens=1, default_sampling_params={})
+        if params.structured_outputs is None:
+            return None
+        validate_guidance_grammar(params, tokenizer=None)
+        kind, spec = get_structured_output_key(params.structured_outputs)
+        grammar = serialize_guidance_grammar(
+            kind, spec, disable_any_whitespace=True, disable_additional_properties=True
+        )
+    except (ValueError, TypeError, KeyError, VLLMClientError):
+        return None  # refused by the replica, with vLLM's own message
+    matcher = llguidance.LLMatcher(
+        llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens())), grammar, log_level=0
+    )
+    error = matcher.get_error()
+    tokenizer_free = kind in (
+        StructuredOutputOptions.JSON,
+        StructuredOutputOptions.REGEX,
+        StructuredOutputOptions.CHOICE,
+    )
+    return error.split("\n")[0] if error and tokenizer_free else None

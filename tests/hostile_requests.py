@@ -69,6 +69,19 @@ def json_schema_format(properties: int) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
+BILLION = 1_000_000_000
+
+
+def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def tool(items: dict[str, Any]) -> dict[str, Any]:
+    """A function tool taking one argument, ``items``."""
+    parameters = {"type": "object", "properties": {"items": items}, "required": ["items"]}
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 def without(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != key}
 
@@ -273,6 +286,25 @@ HOSTILE: list[Hostile] = [
     Hostile(
         "large body, structured_outputs of 40 KB",
         padded(chat(structured_outputs={"json": json_schema_format(1400)["json_schema"]["schema"]})),
+        400,
+        "structured_outputs",
+    ),
+    # Small specs whose grammars take minutes to build: past ingress.max_grammar_build_s in the checker process
+    Hostile(
+        "response_format of up to a billion items",
+        encoded(chat(response_format=schema_format({"type": "array", "maxItems": BILLION}))),
+        400,
+        "response_format",
+    ),
+    Hostile(
+        "forced tool call of a billion items",
+        encoded(chat(tools=[tool({"type": "array", "minItems": BILLION})], tool_choice="required")),
+        400,
+        "tools",
+    ),
+    Hostile(
+        "large body, structured_outputs of a billion items",
+        padded(chat(structured_outputs={"json": {"type": "array", "minItems": BILLION}})),
         400,
         "structured_outputs",
     ),

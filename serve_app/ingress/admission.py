@@ -8,7 +8,8 @@ API's JSON), and it does the rest the same way for both: the size limit (413),
 parsing and the structure checks (400; bodies over 256 KiB in the checker
 process, :mod:`serve_app.ingress.large_bodies`), routing by ``model`` (404),
 validation with vLLM's request model (:mod:`serve_app.ingress.validation`, 400),
-what the request may cost (:mod:`serve_app.ingress.request_cost`, 400), a
+what the request may cost (:mod:`serve_app.ingress.request_cost`, 400), its
+grammar built first within a time limit (:mod:`serve_app.ingress.grammar_build`, 400), a
 replica place per engine sequence with its key's rank (direct streaming,
 :mod:`serve_app.ingress.capacity`, 429) and the key's rate limits (429).
 The API key and the request's first place are taken by each door as the request
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 
 from serve_app.errors import APIError
 from serve_app.ingress.capacity import SlotHold
+from serve_app.ingress.grammar_build import pickled
 from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, ToJSON
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.replica_client import TokenCounter
@@ -96,6 +98,15 @@ def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: Ingress
     check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
 
 
+async def build_grammar_first(settings: IngressSettings, payload: GenerationRequest, size: BodySize) -> None:
+    """Build the request's grammar in the checker process, within ``ingress.max_grammar_build_s``
+    (400 ``grammar_too_costly`` past it; :mod:`serve_app.ingress.grammar_build`)."""
+    if size.grammar_chars and settings.costs.max_grammar_build_s is not None:
+        await settings.body_checker.build_grammar(
+            pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param
+        )
+
+
 async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCounter | None:
     """Ask the limits of the request's key (429 when spent), leaving in ``record`` the place it takes among
     its key's requests at once (given back as the record ends); the counter to tell its tokens to, when
@@ -140,6 +151,7 @@ async def admit(
     else:
         body = decode(raw)
         entry, payload, size = validated(router, settings, endpoint, body)
+    await build_grammar_first(settings, payload, size)
     record.model = entry.name
     payload = hold_sequences(hold, body, size, payload, record)
     payload = hold_queue_place(settings, entry.name, payload, record)

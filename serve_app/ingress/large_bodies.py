@@ -9,17 +9,25 @@ comes back small: the few fields the ingress still checks, and the validated
 request already pickled, which the ingress hands to a model replica without
 unpickling it (:class:`serve_app.protocol.PickledRequest`).
 
-At most :data:`MAX_WAITING` large bodies are checked or waiting per ingress
-replica; more are refused with 429, so a flood of them holds bounded memory and
-delays only itself.
+The same process builds every request's structured-output grammar first, under a
+time limit (:mod:`serve_app.ingress.grammar_build`): one job runs at a time, so the
+limit counts only the build, and a build past it costs the process, which is killed
+and started again.
+
+At most :data:`MAX_WAITING` large bodies and :data:`MAX_WAITING_GRAMMARS` grammars are
+checked or waiting per ingress replica; more are refused with 429, so a flood of them
+holds bounded memory and delays only large bodies and grammars.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
+import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -29,6 +37,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
+from serve_app.ingress.grammar_build import build_grammar
+from serve_app.ingress.grammar_build import warm_up as warm_up_grammars
 from serve_app.ingress.request_cost import BodySize, measure
 from serve_app.ingress.validation import decode_body, parse_request
 from serve_app.protocol import PickledRequest
@@ -37,6 +47,9 @@ logger = logging.getLogger("ray.serve")
 
 LARGE_BODY_BYTES = 256 * 1024  # smaller bodies take well under a millisecond or two: checked in line
 MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
+# Grammars being built or waiting, per ingress replica: small jobs (milliseconds, at most a time limit),
+# as many as structured-output requests arrive, all waiting for the process on its first start.
+MAX_WAITING_GRAMMARS = 64
 # What the ingress checks after validation (routing, output ceiling, choices, extensions), copied out of the
 # body; what the rest costs is measured there (serve_app.ingress.request_cost.measure).
 CHECKED_FIELDS = (
@@ -82,58 +95,136 @@ def check_body(request_model: type[BaseModel], raw: bytes, to_json: ToJSON | Non
     return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, measure(body))
 
 
-def _import_request_models() -> None:
-    """Run once in a new checker process, so its first body does not wait for vLLM's imports."""
+def _warm_up() -> None:
+    """Run once in a new checker process, so its first body or grammar does not wait for vLLM's imports."""
     import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401
+
+    warm_up_grammars()
+
+
+@dataclass
+class Waiting:
+    """Jobs of one kind running or waiting their turn in the checker process, and how many may."""
+
+    what: str  # as a refusal names them
+    limit: int
+    count: int = 0
 
 
 class BodyChecker:
-    """The ingress replica's checker process, restarted if it dies.
+    """The ingress replica's checker process, restarted if it dies or is killed.
 
-    ``check`` is :func:`check_body` and ``warm`` imports what it needs, unless a test swaps them.
+    ``check`` is :func:`check_body`, ``build`` is :func:`build_grammar` and ``warm`` imports what
+    they need, unless a test swaps them.
     """
 
     def __init__(
         self,
         check: Callable[[type[BaseModel], bytes, ToJSON | None], CheckedBody | APIError] = check_body,
-        warm: Callable[[], None] | None = _import_request_models,
+        warm: Callable[[], None] | None = _warm_up,
+        build: Callable[[bytes], str | None] = build_grammar,
     ) -> None:
         self._check = check
         self._warm = warm
-        self._pool: ProcessPoolExecutor | None = None
-        self._waiting = 0
+        self._build = build
+        self._process: tuple[ProcessPoolExecutor, int] | None = None  # the pool and its one process's pid
+        self._one_at_a_time = asyncio.Lock()
+        self._turns: set[asyncio.Future[Any]] = set()  # jobs running or waiting their turn
+        self._bodies = Waiting("large request bodies", MAX_WAITING)
+        self._grammars = Waiting("grammars", MAX_WAITING_GRAMMARS)
 
     async def check(self, request_model: type[BaseModel], raw: bytes, to_json: ToJSON | None = None) -> CheckedBody:
         """The checked body, or the :class:`APIError` a client gets (400, 429, 500)."""
-        if self._waiting >= MAX_WAITING:
-            raise APIError(
-                429,
-                f"this server is already checking {MAX_WAITING} large request bodies; retry shortly",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
-        self._waiting += 1
-        try:
-            pool = self._pool or self._start()
-            result = await asyncio.wrap_future(pool.submit(self._check, request_model, raw, to_json))
-        except BrokenProcessPool:
-            logger.error("the request body checker process died; starting another")
-            self._pool = None
-            raise APIError(500, "the request body could not be checked", code="internal_error") from None
-        finally:
-            self._waiting -= 1
+        result = await self._run(self._bodies, self._check, request_model, raw, to_json)
         if isinstance(result, APIError):
             raise result
         return result
 
-    def _start(self) -> ProcessPoolExecutor:
+    async def build_grammar(self, request: bytes, time_limit_s: float, param: str) -> None:
+        """Build the grammar of ``request`` (pickled) within ``time_limit_s``, or refuse it: 400
+        ``grammar_too_costly`` past the limit, 400 ``invalid_grammar`` if it cannot be built, each
+        naming ``param`` (429 and 500 as :meth:`check`)."""
+        try:
+            error = await self._run(self._grammars, self._build, request, time_limit_s=time_limit_s)
+        except TimeoutError:
+            raise APIError(
+                400,
+                f"the grammar of this request's structured-output spec took more than {time_limit_s:g} s to "
+                "build, this server's limit; ask for fewer items, repetitions or alternatives",
+                param=param,
+                code="grammar_too_costly",
+            ) from None
+        if error is not None:
+            raise APIError(
+                400,
+                f"the grammar of this request's structured-output spec cannot be built: {error[:300]}",
+                param=param,
+                code="invalid_grammar",
+            )
+
+    async def _run(
+        self, waiting: Waiting, job: Callable[..., Any], *args: Any, time_limit_s: float | None = None
+    ) -> Any:
+        if waiting.count >= waiting.limit:
+            raise APIError(
+                429,
+                f"this server is already checking {waiting.limit} {waiting.what}; retry shortly",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        waiting.count += 1
+        # A job goes on, within its limit, when its client leaves: the next job's limit counts only its own.
+        turn = asyncio.ensure_future(self._run_in_turn(waiting, job, args, time_limit_s))
+        self._turns.add(turn)
+        turn.add_done_callback(self._turn_ended)
+        return await asyncio.shield(turn)
+
+    async def _run_in_turn(
+        self, waiting: Waiting, job: Callable[..., Any], args: tuple[Any, ...], time_limit_s: float | None
+    ) -> Any:
+        try:
+            async with self._one_at_a_time:  # so a time limit counts only its own job
+                pool, pid = self._process or await self._start()
+                try:
+                    return await asyncio.wait_for(asyncio.wrap_future(pool.submit(job, *args)), time_limit_s)
+                except TimeoutError:
+                    logger.warning("a job in the checker process ran past %s s; killing the process", time_limit_s)
+                    self._stop(kill=True)
+                    raise
+        except BrokenProcessPool:
+            logger.error("the checker process died; starting another")
+            self._stop()
+            raise APIError(500, "the request could not be checked", code="internal_error") from None
+        finally:
+            waiting.count -= 1
+
+    def _turn_ended(self, turn: asyncio.Future[Any]) -> None:
+        self._turns.discard(turn)
+        if not turn.cancelled():
+            turn.exception()  # retrieved here too: its client may have left
+
+    async def _start(self) -> tuple[ProcessPoolExecutor, int]:
         # spawn, not fork: the ingress process runs threads (Ray's, the readiness watch).
-        self._pool = ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=self._warm
         )
-        return self._pool
+        try:
+            pid = await asyncio.wrap_future(pool.submit(os.getpid))  # once warm: a time limit does not count the start
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        self._process = pool, pid
+        return self._process
+
+    def _stop(self, kill: bool = False) -> None:
+        if self._process is None:
+            return
+        pool, pid = self._process
+        self._process = None
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._stop()

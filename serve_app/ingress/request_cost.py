@@ -33,6 +33,7 @@ class CostLimits:
     prompt_logprobs: PromptLogprobsConfig | None = None  # None: refused
     max_logprobs: int = 200_000  # log-probabilities one answer may carry
     max_grammar_chars: int = 32_768  # characters of JSON in a request's structured-output specs
+    max_grammar_build_s: float | None = None  # longest a grammar may take to build first; None: not built first
     max_token_list_entries: int = 1024  # entries in logit_bias, allowed_token_ids, stop_token_ids each
     max_bad_words: int = 256  # entries in bad_words
 
@@ -46,6 +47,7 @@ class CostLimits:
             prompt_logprobs=ingress.prompt_logprobs,
             max_logprobs=ingress.max_logprobs_per_request,
             max_grammar_chars=ingress.max_grammar_chars,
+            max_grammar_build_s=ingress.max_grammar_build_s,
             max_token_list_entries=ingress.max_token_list_entries,
             max_bad_words=ingress.max_bad_words,
         )

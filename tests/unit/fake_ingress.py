@@ -18,6 +18,7 @@ from serve_app.ingress.capacity import GenerationSlots, QueueShare
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
+from serve_app.ingress.request_cost import CostLimits
 from serve_app.ingress.router import ModelEntry, ModelRouter
 from serve_app.ingress.routes import build_http_app
 from serve_app.ingress.settings import IngressSettings
@@ -114,6 +115,7 @@ def client_for(
     body_timeout_s: float = 30.0,
     slots: GenerationSlots | None = None,
     queue_share: QueueShare | None = None,
+    costs: CostLimits | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
@@ -133,6 +135,7 @@ def client_for(
         log_content=log_content,
         generation_slots=slots,
         queue_shares=None if queue_share is None else {"glm-4-9b-chat": queue_share},
+        costs=costs or CostLimits(),
     )
     app = build_http_app(router, settings, readiness)
     return TestClient(app, raise_server_exceptions=False), handle

@@ -352,6 +352,27 @@ def test_the_grammar_cost_benchmark_times_each_token_of_a_walk_with_both_backend
         assert done.ended and done.compile_s > 0 and 1 < len(done.step_s) < 200 and all(s > 0 for s in done.step_s)
 
 
+def test_the_grammar_build_benchmark_builds_specs_at_the_size_bound_three_ways():
+    from transformers import AutoTokenizer
+
+    from benchmarks.grammar_build import BOUND, at_the_bound, costs, growing, size
+    from benchmarks.grammar_cost import backend
+    from serve_app import vllm_internals
+
+    for name, spec in at_the_bound().items():
+        assert 0.9 * BOUND < size(spec) <= BOUND, name
+    tiny_model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4"
+    if not (tiny_model / "tokenizer.json").exists():
+        pytest.fail(f"{tiny_model} is missing: run `make tiny-model`")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    ll_tokenizer = vllm_internals.llguidance_tokenizer(tokenizer, len(tokenizer), "\ufdd0")
+    engine = backend("guidance", tokenizer)
+    for spec in [*growing(1000).values(), {"regex": "[a-z]{3}"}]:
+        timings = costs(spec, ll_tokenizer, engine)
+        assert all(float(t) >= 0 for t in timings), timings  # each built, none refused
+    assert costs({"json": {"type": "array", "uniqueItems": True}}, ll_tokenizer, engine)[1].endswith("(refused)")
+
+
 def test_the_load_clients_share_one_tls_context_and_ignore_the_proxy_environment(monkeypatch):
     """A level's first wave makes its clients one after another in the loop that times the
     streams; each loading the CA bundle and the proxy environment (43 ms here) delayed the

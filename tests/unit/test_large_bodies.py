@@ -1,25 +1,30 @@
-"""Large bodies are checked in a separate process: same answers as in line, bounded, and survive its death."""
+"""Large bodies are checked, and grammars built first, in a separate process: same answers as in line,
+bounded in number and (grammars) in time, and the ingress survives the process's death."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import pickle
+import time
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
+from serve_app.config import IngressConfig
 from serve_app.errors import APIError
 from serve_app.ingress.large_bodies import (
     LARGE_BODY_BYTES,
     MAX_WAITING,
+    MAX_WAITING_GRAMMARS,
     BodyChecker,
     CheckedBody,
     check_body,
 )
-from tests.hostile_requests import chat
-from tests.waiting import wait_until_blocking
+from tests.hostile_requests import BILLION, chat, schema_format, tool
+from tests.waiting import wait_until, wait_until_blocking
 
 
 def chat_request_model() -> type[BaseModel]:
@@ -97,6 +102,29 @@ async def test_more_than_max_waiting_large_bodies_are_refused_with_429(tmp_path:
         checker.close()
 
 
+def build_waiting_for_file(request: bytes) -> None:
+    """A build that takes until the test says (the file ``request`` names exists), in the checker process."""
+    wait_until_blocking(lambda: os.path.exists(request.decode()), 60, "the test releasing the build", every_s=0.01)
+
+
+async def test_grammars_wait_their_turn_up_to_their_own_bound_then_429(tmp_path: Path):
+    """Grammars have a bound of their own, above the large bodies': a structured-output request is
+    common, and all wait while the process first starts."""
+    checker = BodyChecker(warm=None, build=build_waiting_for_file)
+    release = str(tmp_path / "release").encode()
+    try:
+        waiting = [asyncio.create_task(checker.build_grammar(release, 60, "x")) for _ in range(MAX_WAITING_GRAMMARS)]
+        await asyncio.sleep(0)  # one turn of the loop: each task counts itself as waiting, then awaits
+        with pytest.raises(APIError) as refused:
+            await checker.build_grammar(release, 60, "x")
+        assert refused.value.status == 429 and refused.value.code == "overloaded"
+        assert MAX_WAITING_GRAMMARS > MAX_WAITING
+        (tmp_path / "release").touch()
+        assert await asyncio.gather(*waiting) == [None] * MAX_WAITING_GRAMMARS
+    finally:
+        checker.close()
+
+
 async def test_a_checker_process_that_dies_costs_its_body_a_500_and_is_replaced():
     checker = BodyChecker(die, warm=None)
     try:
@@ -105,5 +133,128 @@ async def test_a_checker_process_that_dies_costs_its_body_a_500_and_is_replaced(
         assert failed.value.status == 500
         with pytest.raises(APIError, match="checked"):
             await checker.check(BaseModel, b"fine")
+    finally:
+        checker.close()
+
+
+LIMIT_S = IngressConfig().max_grammar_build_s  # the serve configs'
+
+
+def pickled_chat(**fields) -> bytes:
+    return pickle.dumps(chat_request_model().model_validate(chat(**fields)))
+
+
+async def test_a_grammar_that_takes_minutes_to_build_is_refused_at_the_limit():
+    """llguidance builds a billion array items one by one (minutes, and memory that grows with them);
+    the build is stopped at the limit with a 400, and the next grammar is built by a new process."""
+    costly = {
+        "response_format": {"response_format": schema_format({"type": "array", "maxItems": BILLION})},
+        "tools": {"tools": [tool({"type": "array", "minItems": BILLION})], "tool_choice": "required"},
+    }
+    checker = BodyChecker()
+    small = pickled_chat(response_format=schema_format({"type": "array", "maxItems": 100}))
+    try:
+        await checker.build_grammar(small, LIMIT_S, "response_format")
+        for param, fields in costly.items():
+            with pytest.raises(APIError) as refused:
+                await checker.build_grammar(pickled_chat(**fields), LIMIT_S, param)
+            assert (refused.value.status, refused.value.code, refused.value.param) == (400, "grammar_too_costly", param)
+            await checker.build_grammar(small, LIMIT_S, "response_format")
+    finally:
+        checker.close()
+
+
+async def test_a_grammar_its_engine_could_not_build_is_refused_naming_llguidances_error():
+    """70,000 optional array items pass vLLM's validation, but llguidance's matcher, which the
+    engine builds, fails an assertion; the engine would then let the answer only end (an empty
+    200). Given the time (a second here), the checker builds the matcher too and answers 400."""
+    checker = BodyChecker()
+    try:
+        with pytest.raises(APIError) as refused:
+            await checker.build_grammar(
+                pickled_chat(response_format=schema_format({"type": "array", "maxItems": 70_000})),
+                60,
+                "response_format",
+            )
+        assert (refused.value.status, refused.value.code, refused.value.param) == (
+            400,
+            "invalid_grammar",
+            "response_format",
+        )
+        assert "assertion failed" in refused.value.message and "<backtrace>" not in refused.value.message
+    finally:
+        checker.close()
+
+
+def answer_with_pid(request_model: type, raw: bytes, to_json: object = None) -> APIError:
+    return APIError(400, str(os.getpid()))
+
+
+def build_until_killed(request: bytes) -> None:
+    """A build that never ends if asked to (``forever``, or ``forever:<path>``: the path made once it runs)."""
+    if request.startswith(b"forever:"):
+        Path(request.removeprefix(b"forever:").decode()).touch()
+    while request.startswith(b"forever"):
+        time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a killed process not yet reaped is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+async def checker_pid(checker: BodyChecker) -> int:
+    with pytest.raises(APIError) as answered:
+        await checker.check(BaseModel, b"")
+    return int(answered.value.message)
+
+
+async def test_a_build_past_its_limit_kills_the_process_and_another_takes_its_place():
+    checker = BodyChecker(answer_with_pid, warm=None, build=build_until_killed)
+    try:
+        first = await checker_pid(checker)
+        with pytest.raises(APIError) as refused:
+            await checker.build_grammar(b"forever", 0.2, "structured_outputs")
+        assert (refused.value.status, refused.value.code) == (400, "grammar_too_costly")
+        await wait_until(lambda: not alive(first), 30, "the checker process killed")
+        second = await checker_pid(checker)
+        assert second != first and alive(second)
+        await checker.build_grammar(b"quick", 0.2, "structured_outputs")
+    finally:
+        checker.close()
+
+
+def import_this_module() -> None:
+    """A new checker process's warm-up in these tests: naming it imports this module there, as the
+    app's warm-up imports what its jobs need."""
+
+
+def warm_slowly() -> None:
+    time.sleep(2)  # a start slower than the limit, as importing vLLM is
+
+
+async def test_the_time_limit_does_not_count_the_process_start():
+    checker = BodyChecker(answer_with_pid, warm=warm_slowly, build=build_until_killed)
+    try:
+        await checker.build_grammar(b"quick", 0.5, "structured_outputs")
+    finally:
+        checker.close()
+
+
+async def test_a_build_whose_client_left_is_still_stopped_at_its_limit_not_counted_in_the_next(tmp_path: Path):
+    """The client of an endless build leaves; the build goes on to its own limit and is killed
+    there, and the next request's build, waiting its turn meanwhile, gets a whole limit of its own."""
+    checker = BodyChecker(answer_with_pid, warm=import_this_module, build=build_until_killed)
+    running = tmp_path / "running"
+    try:
+        first = await checker_pid(checker)
+        left = asyncio.create_task(checker.build_grammar(f"forever:{running}".encode(), 2.0, "response_format"))
+        await wait_until(running.exists, 30, "the endless build running")
+        left.cancel()
+        await checker.build_grammar(b"quick", 0.5, "response_format")  # waits for the kill, then a new process
+        assert not alive(first)
     finally:
         checker.close()

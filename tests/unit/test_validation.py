@@ -1,7 +1,8 @@
 """Strict validation in the ingress, with vLLM's real request models and fake replicas.
 
 The same hostile table runs against the real app in tests/e2e/test_hostile.py;
-here it runs in milliseconds, with property-based fuzzing on top.
+here it runs in milliseconds (a grammar's build in the checker process, seconds),
+with property-based fuzzing on top.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from serve_app.config import IngressConfig
 from serve_app.errors import APIError
+from serve_app.ingress.request_cost import CostLimits
 from serve_app.ingress.validation import (
     MAX_CONTAINERS,
     MAX_NESTING,
@@ -36,8 +39,9 @@ from tests.unit.fake_ingress import assert_openai_error, client_for
 
 @pytest.fixture(scope="module")
 def app():
-    """The ingress app with a replica that answers every request it is sent with 200."""
-    return client_for([Reply(200, b"{}")], limit=8388608)
+    """The ingress app with a replica that answers every request it is sent with 200, and the
+    serve config's bounds on what a request costs (grammars built first in a checker process)."""
+    return client_for([Reply(200, b"{}")], limit=8388608, costs=CostLimits.from_config(IngressConfig()))
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.id)

@@ -157,3 +157,14 @@ def test_a_memory_handler_keeps_writing_after_vllm_configures_its_logging(tmp_pa
         for handler in list(log.handlers):
             log.removeHandler(handler)
             handler.close()
+
+
+def test_the_front_end_builds_grammars_as_the_ingress_builds_them_first() -> None:
+    """vllm_internals.build_request_grammar repeats these steps in the ingress's checker process."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.tool_parsers.abstract_tool_parser import ToolParser
+    from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
+
+    assert "get_json_schema_from_tools(" in inspect.getsource(ToolParser.adjust_request)
+    assert "validate_guidance_grammar(" in inspect.getsource(SamplingParams)
+    assert list(inspect.signature(validate_guidance_grammar).parameters) == ["sampling_params", "tokenizer"]
