@@ -29,8 +29,9 @@ that one key's flood cannot make another key wait behind it or be refused with i
   key with nothing here still finds a place when another key has filled the rest; a key
   refused for that gets 429 ``fair_share_exceeded`` with ``Retry-After``.
 
-A waiting request is passed only by requests of lower rank, which come from keys holding
-fewer requests than it ranks; it never waits behind later requests of its own rank.
+A request's rank is never below a rank its key's requests still hold (:class:`KeyRanks`), so a
+key's requests are served in the order they came: a waiting request is passed only by other
+keys' requests of lower rank, which come from keys holding fewer requests than it ranks.
 """
 
 from __future__ import annotations
@@ -80,6 +81,43 @@ class FairShare:
         return self.limit - held - places >= self.kept or key_held + places <= self.allowance(other_keys)
 
 
+class KeyRanks:
+    """Each API key's places held here, and the ranks its requests hold.
+
+    A request's rank is the places its key holds when it comes, but never below a rank its
+    key's requests still hold. A key's count falls as its older requests end while others of
+    them still wait; ranked by the count alone, its newer requests would pass those, and under
+    a steady flood its oldest could wait on. So a key's requests keep the order they came in,
+    and while a key holds a request ranked r, it counts as holding at least r.
+    """
+
+    def __init__(self) -> None:
+        self.held: Counter[str] = Counter()  # places, by key
+        self._ranks: dict[str, Counter[int]] = {}  # requests held, by rank, by key
+
+    def take(self, key_id: str, places: int = 1) -> int:
+        """A request of ``key_id`` holding ``places``: its rank."""
+        ranks = self._ranks.setdefault(key_id, Counter())
+        rank = max(self.held[key_id], max(ranks, default=0))
+        self.held[key_id] += places
+        ranks[rank] += 1
+        return rank
+
+    def grow(self, key_id: str, places: int) -> None:
+        """A request already ranked holds ``places`` more."""
+        self.held[key_id] += places
+
+    def give_back(self, key_id: str, rank: int, places: int) -> None:
+        """A request of ``key_id`` ranked ``rank`` ended, holding ``places``."""
+        self.held[key_id] -= places
+        ranks = self._ranks[key_id]
+        ranks[rank] -= 1
+        if not ranks[rank]:
+            del ranks[rank]
+        if not self.held[key_id]:
+            del self.held[key_id], self._ranks[key_id]
+
+
 class GenerationSlots:
     """The generation requests one replica holds, whichever front door took them: at most ``limit``.
 
@@ -93,32 +131,43 @@ class GenerationSlots:
         self.model = model
         self.fair_share = fair_share
         self.held = 0
-        self.by_key: Counter[str] = Counter()
+        self.keys = KeyRanks()
+
+    @property
+    def by_key(self) -> Counter[str]:
+        """Places held, by API key (with fair share)."""
+        return self.keys.held
 
     def take(self, record: RequestRecord | None = None, key_id: str | None = None, places: int = 1) -> int:
-        """Take ``places`` for a request of ``key_id``; return its rank (the places its key held
-        before: 0 without fair share or a key). Raises the 429 ``overloaded`` APIError when they are
-        not free, ``fair_share_exceeded`` when only kept places are and the key holds its part,
-        with ``record`` (the request's) counted against this replica's model."""
+        """Take ``places`` for a request of ``key_id``; return its rank (:class:`KeyRanks`; 0 without
+        fair share or a key). Raises the 429 ``overloaded`` APIError when they are not free,
+        ``fair_share_exceeded`` when only kept places are and the key holds its part, with
+        ``record`` (the request's) counted against this replica's model."""
+        self._check_free(record, key_id, places)
+        self.held += places
+        if self.fair_share is None or key_id is None:
+            return 0
+        return self.keys.take(key_id, places)
+
+    def grow(self, record: RequestRecord | None, key_id: str | None, places: int) -> None:
+        """``places`` more for a request already holding some (429 as :meth:`take`)."""
+        self._check_free(record, key_id, places)
+        self.held += places
+        if self.fair_share is not None and key_id is not None:
+            self.keys.grow(key_id, places)
+
+    def give_back(self, key_id: str | None = None, places: int = 1, rank: int = 0) -> None:
+        self.held -= places
+        if self.fair_share is not None and key_id is not None:
+            self.keys.give_back(key_id, rank, places)
+
+    def _check_free(self, record: RequestRecord | None, key_id: str | None, places: int) -> None:
         refusal = self._refusal(key_id, places)
         if refusal is not None:
             if record is not None:
                 record.model = record.model or self.model
                 record.error_code = refusal.code  # (the request log's and metrics' error)
             raise refusal
-        self.held += places
-        if self.fair_share is None or key_id is None:
-            return 0
-        rank = self.by_key[key_id]
-        self.by_key[key_id] += places
-        return rank
-
-    def give_back(self, key_id: str | None = None, places: int = 1) -> None:
-        self.held -= places
-        if self.fair_share is not None and key_id is not None:
-            self.by_key[key_id] -= places
-            if not self.by_key[key_id]:
-                del self.by_key[key_id]
 
     def _refusal(self, key_id: str | None, places: int) -> APIError | None:
         if self.held + places > self.limit:
@@ -156,12 +205,13 @@ class SlotHold:
     def grow_to(self, places: int, record: RequestRecord | None = None) -> None:
         """Hold ``places`` in all: the request's engine sequences (429 as :meth:`GenerationSlots.take`)."""
         if places > self.places:
-            self.slots.take(record, self.key_id, places - self.places)
+            self.slots.grow(record, self.key_id, places - self.places)
             self.places = places
 
     def give_back(self) -> None:
-        self.slots.give_back(self.key_id, self.places)
-        self.places = 0
+        if self.places:
+            self.slots.give_back(self.key_id, self.places, self.rank)
+            self.places = 0
 
 
 def fair_share_exceeded(why: str) -> APIError:
@@ -188,12 +238,17 @@ class QueueShare:
     def __init__(self, queue: Callable[[], QueueState], runs_at_once: int) -> None:
         self.queue = queue  # Serve's queue for the deployment, read when a request comes
         self.runs_at_once = runs_at_once
-        self.by_key: Counter[str] = Counter()
+        self.keys = KeyRanks()
+
+    @property
+    def by_key(self) -> Counter[str]:
+        """Requests held, by API key."""
+        return self.keys.held
 
     def take(self, key_id: str, record: RequestRecord | None = None) -> QueueHold:
-        """A place for a request of ``key_id``, ranked by the requests its key holds here; the 429
+        """A place for a request of ``key_id``, ranked by the requests its key holds here (:class:`KeyRanks`); the 429
         ``fair_share_exceeded`` when the queue is nearly full and the key holds its part."""
-        key_held = self.by_key[key_id]
+        key_held = self.by_key.get(key_id, 0)
         state = self.queue()
         if state.limit >= 0:
             others = len(self.by_key) - (1 if key_held else 0)
@@ -204,13 +259,10 @@ class QueueShare:
                 if record is not None:
                     record.error_code = refusal.code
                 raise refusal
-        self.by_key[key_id] += 1
-        return QueueHold(self, key_id, key_held)
+        return QueueHold(self, key_id, self.keys.take(key_id))
 
-    def give_back(self, key_id: str) -> None:
-        self.by_key[key_id] -= 1
-        if not self.by_key[key_id]:
-            del self.by_key[key_id]
+    def give_back(self, key_id: str, rank: int) -> None:
+        self.keys.give_back(key_id, rank, 1)
 
 
 @dataclass
@@ -225,7 +277,7 @@ class QueueHold:
     def give_back(self) -> None:
         if self.held:
             self.held = False
-            self.share.give_back(self.key_id)
+            self.share.give_back(self.key_id, self.rank)
 
 
 def give_back_queue_place(record: RequestRecord) -> None:

@@ -8,7 +8,14 @@ import pytest
 from serve_app.config import SimulatedEngineConfig
 from serve_app.errors import APIError
 from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.capacity import FairShare, GenerationSlots, QueueShare, give_back_queue_place
+from serve_app.ingress.capacity import (
+    FairShare,
+    GenerationSlots,
+    KeyRanks,
+    QueueShare,
+    SlotHold,
+    give_back_queue_place,
+)
 from serve_app.observability.record import RequestRecord
 from serve_app.protocol import Reply
 from serve_app.serve_internals import QueueState
@@ -53,15 +60,43 @@ def test_a_flooding_key_leaves_the_kept_places_to_another_and_each_request_has_i
     with pytest.raises(APIError) as full:
         slots.take(key_id="e")
     assert full.value.code == "overloaded"
-    slots.give_back("a")
-    slots.give_back("d")
+    slots.give_back("a", rank=5)
+    slots.give_back("d", rank=0)
     assert slots.held == 8 and slots.by_key == {"a": 5, "b": 2, "c": 1}
     with pytest.raises(APIError):  # 2 free, both kept: a still holds more than 4 // (2 others + 1)
         slots.take(key_id="a")
     assert slots.take(key_id="d") == 0
-    for _ in range(4):
-        slots.give_back("a")
+    for rank in (4, 3, 2, 1):
+        slots.give_back("a", rank=rank)
     assert slots.take(key_id="a") == 1  # 5 free: more than the kept places, for anyone
+
+
+def test_a_keys_newer_request_never_ranks_below_one_its_key_still_holds() -> None:
+    """A key's count falls as its older requests end; its newer requests keep the rank of the
+    highest it still holds, so they neither pass its waiting ones nor preempt its running ones."""
+    ranks = KeyRanks()
+    assert [ranks.take("a") for _ in range(4)] == [0, 1, 2, 3]
+    for rank in (0, 1, 2):  # its oldest end first; the one ranked 3 still waits
+        ranks.give_back("a", rank, 1)
+    assert ranks.held == {"a": 1}
+    assert ranks.take("a") == 3  # not 1: after the one it came after
+    assert ranks.take("b") == 0  # another key's rank is its own count
+    ranks.give_back("a", 3, 1)
+    assert ranks.take("a") == 3  # still held: the other ranked 3
+    ranks.give_back("a", 3, 1)
+    ranks.give_back("a", 3, 1)
+    assert "a" not in ranks.held and ranks.take("a") == 0  # nothing held: a fresh count
+    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, kept=2))
+    holds = [SlotHold(slots, "a", slots.take(key_id="a")) for _ in range(3)]
+    holds[0].give_back()
+    holds[0].give_back()  # (once only)
+    holds[1].give_back()
+    assert slots.take(key_id="a") == 2 and slots.by_key == {"a": 2}  # a direct replica's places
+    share = QueueShare(lambda: QueueState(queued=0, limit=10), runs_at_once=4)
+    queued = [share.take("a") for _ in range(3)]
+    queued[0].give_back()
+    queued[1].give_back()
+    assert share.take("a").rank == 2  # the relay path's
 
 
 def test_the_relay_path_keeps_one_batch_of_serves_queue_at_most_half() -> None:
