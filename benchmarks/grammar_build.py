@@ -5,7 +5,9 @@ Each spec is built three ways, timed: as the ingress's checker process builds it
 (:func:`serve_app.vllm_internals.build_request_grammar`: vLLM's validation, then the engine's
 matcher with a tokenizer of bytes), as the replica's front end validates it on its event loop
 (vLLM's ``validate_guidance_grammar`` with llguidance's tokenizer), and as the engine compiles
-it (vLLM's ``GuidanceBackend``) and fills the first token mask. GLM-4's tokenizer is stood in
+it (vLLM's ``GuidanceBackend``) and fills the first token mask. Then the checker process itself
+is started ``--checker-starts`` times: how long a start and its first build take (what requests
+wait for after a kill), and a build once it is warm. GLM-4's tokenizer is stood in
 for as in :mod:`benchmarks.grammar_cost`.
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.grammar_build``
@@ -14,6 +16,7 @@ Run from the repository root: ``.venv/bin/python -m benchmarks.grammar_build``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -133,11 +136,36 @@ def costs(spec: dict[str, Any], ll_tokenizer: Any, engine: Any) -> tuple[str, st
     return checker, front_end, engine_s
 
 
+async def checker_starts(starts: int) -> list[tuple[float, float]]:
+    """Seconds for a new checker process to start and build a ``json_object`` grammar, then to build another."""
+    import pickle
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from serve_app.ingress.large_bodies import BodyChecker
+
+    request = pickle.dumps(CompletionRequest(model="m", prompt="p", response_format={"type": "json_object"}))
+    times = []
+    for _ in range(starts):
+        checker = BodyChecker()
+        try:
+            started = time.perf_counter()
+            await checker.build_grammar(request, 60, "response_format")
+            first = time.perf_counter() - started
+            started = time.perf_counter()
+            await checker.build_grammar(request, 60, "response_format")
+            times.append((first, time.perf_counter() - started))
+        finally:
+            checker.close()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer-dir", type=Path, default=Path("models/bpe-151k"))
     parser.add_argument("--corpus-mb", type=int, default=64, help="local text to train the stand-in on")
     parser.add_argument("--counts", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--checker-starts", type=int, default=3)
     args = parser.parse_args()
     import vllm.sampling_params
 
@@ -156,6 +184,8 @@ def main() -> None:
     for name, spec in specs.items():
         checker, front_end, engine_s = costs(spec, ll_tokenizer, engine)
         print(f"| {name} | {size(spec):,} | {checker} | {front_end} | {engine_s} |", flush=True)
+    for first, warm in asyncio.run(checker_starts(args.checker_starts)):
+        print(f"checker process: started and built its first grammar in {first:.2f} s; the next in {warm * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -304,9 +304,7 @@ def build_request_grammar(request: Any) -> str | None:
         )
     except (ValueError, TypeError, KeyError, VLLMClientError):
         return None  # refused by the replica, with vLLM's own message
-    matcher = llguidance.LLMatcher(
-        llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens())), grammar, log_level=0
-    )
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     error = matcher.get_error()
     tokenizer_free = kind in (
         StructuredOutputOptions.JSON,

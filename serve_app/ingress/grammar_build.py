@@ -2,7 +2,7 @@
 
 vLLM builds a grammar where nothing can stop it: llguidance validates it on the
 model replica's event loop, then the engine compiles it again. A spec's size does
-not bound that work: ``{"type": "array", "minItems": 1000000000}`` is 52 characters,
+not bound that work: ``{"type": "array", "minItems": 1000000000}`` is 41 characters,
 and llguidance builds its items one by one (100 ms and 100 MB per million on this
 project's 2-core VM), so one such request would stall every stream on a replica
 for minutes and then run it out of memory. So the ingress builds every request's
