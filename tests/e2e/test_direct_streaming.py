@@ -48,6 +48,9 @@ from tests.hostile_requests import chat as hostile_chat
 from tests.waiting import wait_until
 
 NAME, ROUTE = "direct", "/direct"
+# How long HAProxy waits for a POST's body on this path by Serve's default
+# (RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S), which deploy/cluster.env raises.
+SERVE_DEFAULT_BODY_WAIT_S = 5
 MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
 
 
@@ -127,6 +130,25 @@ async def test_a_large_valid_body_is_answered(direct: RunningApp, stream: bool) 
         assert response.text.rstrip().endswith("data: [DONE]") and response.text.count('"content"') >= 1
     else:
         assert response.json()["usage"]["completion_tokens"] == 4
+
+
+async def test_a_client_slower_to_send_its_body_than_serves_default_wait_is_answered(direct: RunningApp) -> None:
+    """HAProxy holds a POST here until its body has come, then hands it to the picker. Serve's
+    default bound on that wait (5 s) answered a slow upload with HAProxy's own 408 page (seen:
+    a loaded client of test_autoscale's); deploy/cluster.env gives it ingress.body_timeout_s,
+    as the relay path does. The client here sends its headers, then its body one second past
+    Serve's default."""
+    body = json.dumps(chat(direct.model, 4)).encode()
+
+    async def after_serves_default_wait() -> AsyncIterator[bytes]:
+        await asyncio.sleep(SERVE_DEFAULT_BODY_WAIT_S + 1)  # the slow client itself, not a wait for a condition
+        yield body
+
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        response = await client.post(CHAT_PATH, content=after_serves_default_wait(), headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
 
 
 async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp) -> None:

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import DIRECT_REQUESTS_HEADROOM, ConfigError, parse_app_config, split_engine_args
+from tools.cluster_env import cluster_env
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHIPPED = ["config.yaml", "config.single-gpu.yaml", "config.cpu.yaml", "config.sim.yaml"]
@@ -144,6 +145,16 @@ def test_the_proxys_timeout_outlasts_every_ingress_deadline(config_file):
         proxy_timeout_s = serve_config[proxy]["request_timeout_s"]
         for app in serve_config["applications"]:
             assert proxy_timeout_s >= parse_app_config(app["args"]).ingress.request_timeout_s + 30, proxy
+
+
+@pytest.mark.parametrize("config_file", SHIPPED)
+def test_haproxy_waits_for_a_direct_streaming_body_as_long_as_the_ingress_waits_for_one(config_file):
+    """With direct streaming, HAProxy holds a POST until its body has come, for as long as
+    deploy/cluster.env says; a shipped config's slow upload must get the time its
+    ``ingress.body_timeout_s`` promises, not Serve's default 5 s and HAProxy's 408 page."""
+    haproxy_wait_s = int(cluster_env()["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S"])
+    for app in yaml.safe_load((DEPLOY / config_file).read_text())["applications"]:
+        assert haproxy_wait_s == parse_app_config(app["args"]).ingress.body_timeout_s, app["name"]
 
 
 @pytest.mark.parametrize("config_file", SHIPPED)
