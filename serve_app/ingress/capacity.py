@@ -232,7 +232,9 @@ class QueueShare:
     here, waiting or answered), which the model deployment's request router routes by
     (:class:`serve_app.serve_internals.PriorityOrder`) and vLLM schedules by; and the queue's
     last places (``FairShare.for_queue``) go only to keys holding fewer requests than their
-    part of them. Counted in requests, as Serve's queue counts them.
+    part of them. Counted in requests, as Serve's queue counts them. Serve's count lags a burst
+    admitted here, so Serve's queue may be full when a request a place is kept for reaches it;
+    that request waits for a place (:attr:`QueueHold.within_part`).
     """
 
     def __init__(self, queue: Callable[[], QueueState], runs_at_once: int) -> None:
@@ -250,16 +252,19 @@ class QueueShare:
         ``fair_share_exceeded`` when the queue is nearly full and the key holds its part."""
         key_held = self.by_key.get(key_id, 0)
         state = self.queue()
+        within_part = False
         if state.limit >= 0:
             others = len(self.by_key) - (1 if key_held else 0)
-            if not FairShare.for_queue(state.limit, self.runs_at_once).admits(state.queued, key_held, others):
+            share = FairShare.for_queue(state.limit, self.runs_at_once)
+            if not share.admits(state.queued, key_held, others):
                 refusal = fair_share_exceeded(
                     f"the model's queue is nearly full and this API key holds {key_held} of its requests"
                 )
                 if record is not None:
                     record.error_code = refusal.code
                 raise refusal
-        return QueueHold(self, key_id, self.keys.take(key_id))
+            within_part = key_held + 1 <= share.allowance(others)
+        return QueueHold(self, key_id, self.keys.take(key_id), within_part)
 
     def give_back(self, key_id: str, rank: int) -> None:
         self.keys.give_back(key_id, rank, 1)
@@ -272,6 +277,10 @@ class QueueHold:
     share: QueueShare
     key_id: str
     rank: int
+    # Its key held fewer than its part of the queue's kept places: a place is kept for it. Serve's
+    # count of its queue lags a burst of requests admitted here, so Serve may still refuse it; then
+    # it waits for a place (serve_app.ingress.replica_client), where a key past its part gets 429.
+    within_part: bool = False
     held: bool = True
 
     def give_back(self) -> None:

@@ -4,6 +4,7 @@ what they do to waiting requests in an engine that schedules by priority (the si
 from __future__ import annotations
 
 import pytest
+from ray.serve.exceptions import BackPressureError
 
 from serve_app.config import SimulatedEngineConfig
 from serve_app.errors import APIError
@@ -16,6 +17,7 @@ from serve_app.ingress.capacity import (
     SlotHold,
     give_back_queue_place,
 )
+from serve_app.ingress.deadlines import TimeLimits
 from serve_app.observability.record import RequestRecord
 from serve_app.protocol import Reply
 from serve_app.serve_internals import QueueState
@@ -165,6 +167,51 @@ def test_a_relayed_request_is_sent_with_its_keys_rank_and_refused_past_its_share
     assert chat_as(LIGHT).status_code == 200 and handle.payloads[-1].priority == 1
     for hold in held:
         hold.give_back()
+    assert share.by_key == {}
+
+
+def test_a_place_is_kept_for_a_request_of_a_key_within_its_part_of_the_queue() -> None:
+    queue = QueueState(queued=0, limit=10)
+    share = QueueShare(lambda: queue, runs_at_once=4)  # kept: 4 of the queue's 10
+    assert [share.take("a").within_part for _ in range(6)] == [True] * 4 + [False] * 2  # its part: all 4
+    assert share.take("b").within_part  # two keys: each one's part is 2
+    assert not QueueShare(lambda: QueueState(queued=0, limit=-1), runs_at_once=4).take("a").within_part  # none kept
+
+
+def test_a_relayed_request_a_place_is_kept_for_waits_out_serves_full_queue_and_one_past_its_part_gets_429() -> None:
+    """Serve's count of its queue lags a burst of requests admitted here, so Serve may refuse a
+    request the share admitted into a kept place: that one is offered again until Serve takes it,
+    with its rank; a request of a key past its part gets Serve's 429 at once."""
+    keys = APIKeys("test keys", lambda: f"{HEAVY}\n{LIGHT}\n")
+    heavy, light = keys.identify(HEAVY), keys.identify(LIGHT)
+    assert heavy is not None and light is not None
+    share = QueueShare(lambda: QueueState(queued=0, limit=10), runs_at_once=4)
+    full = BackPressureError(num_queued_requests=10, max_queued_requests=10)
+    client, handle = client_for([full], then=[[full], [full], [Reply(200, b"{}")]], api_keys=keys, queue_share=share)
+    held = [share.take(heavy) for _ in range(4)]  # all of its part, under way
+
+    def chat_as(key: str):
+        return client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+
+    refused = chat_as(HEAVY)
+    assert_openai_error(refused, 429)
+    assert refused.json()["error"]["code"] == "overloaded" and len(handle.payloads) == 1
+    answered = chat_as(LIGHT)
+    assert answered.status_code == 200, answered.text
+    assert [p.priority for p in handle.payloads[1:]] == [0, 0, 0]  # refused twice, then taken
+    for hold in held:
+        hold.give_back()
+    assert share.by_key == {}
+
+
+def test_a_request_waiting_for_a_kept_place_gets_serves_429_when_its_first_token_would_be_late() -> None:
+    keys = APIKeys("test keys", lambda: f"{LIGHT}\n")
+    share = QueueShare(lambda: QueueState(queued=0, limit=10), runs_at_once=4)
+    full = BackPressureError(num_queued_requests=10, max_queued_requests=10)
+    client, handle = client_for([full], api_keys=keys, queue_share=share, limits=TimeLimits(600, 1.0))
+    response = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {LIGHT}"})
+    assert_openai_error(response, 429)
+    assert response.json()["error"]["code"] == "overloaded" and len(handle.payloads) > 1  # offered again first
     assert share.by_key == {}
 
 
