@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from benchmarks.servers import ServerCommand, app_entry, free_port
+from serve_app.config import sized_for
 from tools.cluster_env import cluster_env
 
 SETTINGS_ENV = "GLM4_BENCH_SIMULATED_ENGINE"  # the simulated engine's settings, JSON
@@ -55,7 +56,9 @@ def llm_config(entry: dict[str, Any], cwd: Path) -> dict[str, Any]:
         "runtime_env": {
             "env_vars": {
                 SETUP_HOOK_ENV: HOOK,
-                SETTINGS_ENV: json.dumps(dict(entry.get("simulated_engine") or {}, load_s=0)),
+                SETTINGS_ENV: json.dumps(
+                    sized_for(entry.get("simulated_engine") or {}, entry["engine_args"]) | {"load_s": 0}
+                ),
                 "PYTHONPATH": str(cwd),  # the hook's module, in the replica's worker
             }
         },

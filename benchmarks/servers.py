@@ -23,6 +23,7 @@ import httpx
 import psutil
 import yaml
 
+from serve_app.config import sized_for
 from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
 from tools.cluster_env import cluster_env
 
@@ -84,7 +85,7 @@ def simulated_vllm(config: dict[str, Any], model: str | None, workdir: Path, cwd
     """vLLM's own OpenAI server, as :func:`bare_vllm` starts it, on the model's simulated engine."""
     bare = bare_vllm(config, model, workdir, cwd)
     _, entry = app_entry(config, model)
-    simulated = json.dumps(entry.get("simulated_engine") or {})
+    simulated = json.dumps(sized_for(entry.get("simulated_engine") or {}, entry["engine_args"]))
     vllm_args = bare.argv[3:] + ["--fingerprint-mode", "custom", "--fingerprint-value", SIMULATED_FINGERPRINT]
     argv = [sys.executable, "-m", "benchmarks.vllm_frontend", "--simulated-engine", simulated, "--", *vllm_args]
     return ServerCommand("vLLM's front end", argv, bare.env, cwd, bare.url, bare.health_path)

@@ -40,7 +40,7 @@ from benchmarks.load import ClientPool, Load, client_pool, run_load
 from benchmarks.ray_serve_llm import ray_serve_llm_direct
 from benchmarks.records import record_dict, summarize
 from benchmarks.servers import ServerCommand, app_entry, running, simulated_vllm, this_app
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config import SimulatedEngineConfig, sized_for
 
 REPO = Path(__file__).resolve().parents[1]
 # Requests per level, at least: one stream's first-token p50 is held to goals of a few ms,
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _, entry = app_entry(config, None)
     if "simulated_engine" not in entry:
         raise SystemExit(f"{args.config}: the model has no simulated_engine section")
-    settings = SimulatedEngineConfig.model_validate(entry["simulated_engine"] or {})
+    settings = SimulatedEngineConfig.model_validate(sized_for(entry["simulated_engine"] or {}, entry["engine_args"]))
     max_num_seqs = entry["engine_args"]["max_num_seqs"]
     workload = Workload(entry["name"], args.input_tokens, args.output_tokens, args.endpoint)
     protocols = tuple(args.app_protocols)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.glm4 import sizing
 from serve_app.glm4.format import check_dtype
 from serve_app.structured_outputs import with_grammar_backend
 
@@ -58,6 +59,29 @@ def split_engine_args(engine_args: dict[str, Any]) -> tuple[dict[str, Any], dict
 
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def check_quantisation(engine_args: dict[str, Any]) -> None:
+    """``quantization`` and ``kv_cache_dtype`` are values vLLM knows (its own lists), named at
+    config time rather than when a replica builds its engine; a float16 KV cache is refused as
+    float16 activations are (GLM-4's values overflow it). Whether the GPU runs the method
+    (FP8 needs compute capability 8.9 for its fast path) vLLM checks as it builds its config,
+    before any weight loads."""
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    method = engine_args.get("quantization")
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {method!r} is not one of vLLM's methods ({', '.join(QUANTIZATION_METHODS)})")
+    cache_dtype = engine_args.get("kv_cache_dtype", "auto")
+    if cache_dtype not in get_args(CacheDType):
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of vLLM's ({', '.join(get_args(CacheDType))})")
+    try:
+        check_dtype(cache_dtype)
+    except ValueError as refused:
+        raise ValueError(f"kv_cache_dtype: {refused}") from None
 
 
 def check_remote_code_is_pinned(engine_args: dict[str, Any]) -> None:
@@ -171,9 +195,11 @@ class SimulatedEngineConfig(_Strict):
     detokenizer, stop strings, ``n``, aborts, its metrics), its OpenAI serving
     objects and everything of this app run as with the real engine. Token ids are
     drawn from the configured model's tokenizer with a seeded generator and come out
-    on the timing of GLM-4-9B-Chat in bf16 on one 80 GB H100 with continuous
-    batching (see :mod:`serve_app.simulated_engine`). The defaults are estimates from
-    the hardware's published figures, to be replaced by figures from a GPU run. For
+    on the timing of GLM-4-9B-Chat on one 80 GB H100 with continuous batching, its
+    weights and KV cache sized as the model's ``engine_args`` quantise them (bf16 by
+    default; see :mod:`serve_app.simulated_engine` and :mod:`serve_app.glm4.sizing`).
+    The defaults are estimates from the hardware's published figures, to be replaced
+    by figures from a GPU run. For
     measuring the serving layer at GPU speed on a machine without one: its answers
     are noise, and ``/v1/models`` and every ``system_fingerprint`` say ``simulated``.
     """
@@ -193,18 +219,28 @@ class SimulatedEngineConfig(_Strict):
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Share of the GPU's memory for weights and KV cache (vLLM's own)."
     )
-    weights_gb: float = Field(default=18.8, gt=0, description="Weights: 9.4 B parameters x 2 bytes (bf16).")
-    kv_bytes_per_token: int = Field(
-        default=40960, gt=0, description="KV cache per token: 2 (K, V) x 40 layers x 2 KV heads x 128 dims x 2 bytes."
+    weights_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Weights; unset: from the model's engine_args.quantization (serve_app.glm4.sizing): "
+        "18.8 in bf16, 10.6 in fp8 (the vocabulary matrices stay bf16), 6.8 in AWQ 4-bit.",
+    )
+    kv_bytes_per_token: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache per token; unset: from the model's engine_args.kv_cache_dtype: 2 (K, V) x 40 "
+        "layers x 2 KV heads x 128 dims x 2 bytes (40960) in bf16, x 1 byte (20480) in fp8.",
     )
     memory_bandwidth_tb_s: float = Field(
-        default=3.35, gt=0, description="HBM bandwidth (H100 SXM): each decode step reads every running sequence's KV."
-    )
-    step_overhead_ms: float = Field(
-        default=7.0,
+        default=3.35,
         gt=0,
-        description="Fixed cost of one engine step: reading the 18.8 GB of weights at 3.35 TB/s (5.6 ms) "
-        "plus launch and sampling overhead.",
+        description="HBM bandwidth (H100 SXM): each decode step reads all the weights and every running sequence's KV.",
+    )
+    step_launch_ms: float = Field(
+        default=1.4,
+        ge=0,
+        description="Launch and sampling in each engine step, beyond reading the weights (weights_gb at "
+        "memory_bandwidth_tb_s: 5.6 ms in bf16, 3.2 ms in fp8).",
     )
     prefill_ms_per_token: float = Field(
         default=0.031,
@@ -225,9 +261,27 @@ class SimulatedEngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _kv_cache_has_room(self) -> SimulatedEngineConfig:
-        if self.gpu_memory_gb * self.gpu_memory_utilization <= self.weights_gb:
+        if self.gpu_memory_gb * self.gpu_memory_utilization <= self.resolved_weights_gb():
             raise ValueError("gpu_memory_gb x gpu_memory_utilization leaves no room for the KV cache after weights_gb")
         return self
+
+    def resolved_weights_gb(self) -> float:
+        """``weights_gb``, or the bf16 checkpoint's where it was not set and no engine args resolved it."""
+        return self.weights_gb if self.weights_gb is not None else sizing.weights_gb()
+
+    def resolved_kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token if self.kv_bytes_per_token is not None else sizing.kv_bytes_per_token()
+
+
+def sized_for(simulated: dict[str, Any], engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Simulated engine settings with the weights' and KV cache's sizes vLLM's arguments give
+    (``quantization``, ``kv_cache_dtype``: :mod:`serve_app.glm4.sizing`), where they set none."""
+    sized = dict(simulated)
+    if sized.get("weights_gb") is None:
+        sized["weights_gb"] = sizing.weights_gb(engine_args.get("quantization"))
+    if sized.get("kv_bytes_per_token") is None:
+        sized["kv_bytes_per_token"] = sizing.kv_bytes_per_token(engine_args.get("kv_cache_dtype") or "auto")
+    return sized
 
 
 class ModelConfig(_Strict):
@@ -291,6 +345,7 @@ class ModelConfig(_Strict):
         if "served_model_name" in value:
             raise ValueError("'served_model_name' is taken from the model's 'name'; remove it")
         check_dtype(value.get("dtype", "auto"))
+        check_quantisation(value)
         check_remote_code_is_pinned(value)
         return with_grammar_backend(value)
 
@@ -298,6 +353,19 @@ class ModelConfig(_Strict):
     @classmethod
     def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
         return validate_deployment_options(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _simulated_engine_is_sized(cls, data: Any) -> Any:
+        """The simulated engine's weights and KV cache take the sizes the engine's arguments give, where unset."""
+        simulated, engine_args = (
+            (data.get("simulated_engine"), data.get("engine_args")) if isinstance(data, dict) else (None, None)
+        )
+        if isinstance(simulated, SimulatedEngineConfig):
+            simulated = simulated.model_dump(exclude_defaults=True)
+        if isinstance(simulated, dict) and isinstance(engine_args, dict):
+            data = data | {"simulated_engine": sized_for(simulated, engine_args)}
+        return data
 
     @model_validator(mode="after")
     def _one_request_router(self) -> ModelConfig:

@@ -6,8 +6,12 @@ bound: about 2 FLOP per parameter per prompt token. So one step, which carries
 one token for each decoding sequence and chunks of prompts (vLLM's chunked
 prefill), takes
 
-    step_overhead + kv_bytes_per_token x (context tokens of the step's sequences)
-                    / memory_bandwidth + prefill_tokens x prefill_time_per_token
+    step_launch + (weight bytes + kv_bytes_per_token x context tokens of the step's
+                   sequences) / memory_bandwidth + prefill_tokens x prefill_time_per_token
+
+so quantised weights shorten every step and a quantised KV cache both shortens the
+reads and holds more tokens (:mod:`serve_app.glm4.sizing`). Prefill is not made
+faster by quantisation here: an estimate on the safe side.
 
 The defaults (:class:`serve_app.config.SimulatedEngineConfig`) are estimates from
 published figures, not measurements: replace them with a GPU run's.
@@ -24,7 +28,7 @@ from serve_app.config import SimulatedEngineConfig
 class GpuTiming:
     """Step times and KV capacity of one simulated GPU replica."""
 
-    step_overhead_s: float
+    step_overhead_s: float  # launch and sampling, and reading the weights
     kv_bytes_per_token: int
     memory_bandwidth_bytes_s: float
     prefill_s_per_token: float
@@ -33,13 +37,15 @@ class GpuTiming:
 
     @classmethod
     def from_config(cls, config: SimulatedEngineConfig) -> GpuTiming:
-        kv_bytes = (config.gpu_memory_gb * config.gpu_memory_utilization - config.weights_gb) * 1e9
+        weights_gb, kv_bytes_per_token = config.resolved_weights_gb(), config.resolved_kv_bytes_per_token()
+        kv_bytes = (config.gpu_memory_gb * config.gpu_memory_utilization - weights_gb) * 1e9
+        bandwidth = config.memory_bandwidth_tb_s * 1e12
         return cls(
-            step_overhead_s=config.step_overhead_ms / 1e3,
-            kv_bytes_per_token=config.kv_bytes_per_token,
-            memory_bandwidth_bytes_s=config.memory_bandwidth_tb_s * 1e12,
+            step_overhead_s=config.step_launch_ms / 1e3 + weights_gb * 1e9 / bandwidth,
+            kv_bytes_per_token=kv_bytes_per_token,
+            memory_bandwidth_bytes_s=bandwidth,
             prefill_s_per_token=config.prefill_ms_per_token / 1e3,
-            kv_capacity_tokens=int(kv_bytes // config.kv_bytes_per_token),
+            kv_capacity_tokens=int(kv_bytes // kv_bytes_per_token),
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
 

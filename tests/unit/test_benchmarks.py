@@ -13,6 +13,7 @@ from benchmarks.client import Workload, carries_tokens
 from benchmarks.load import Load, levels_from, parse_args
 from benchmarks.plot import plot_levels
 from benchmarks.records import RequestRecord, percentiles, summarize
+from serve_app.glm4 import sizing
 from tests.waiting import wait_until_blocking
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,12 +152,15 @@ def test_the_simulated_sides_run_the_same_engine_settings(tmp_path):
     import yaml
 
     from benchmarks.servers import simulated_vllm, this_app
+    from serve_app.config import sized_for
 
     config = yaml.safe_load((REPO / "deploy" / "config.sim.yaml").read_text())
     entry = config["applications"][0]["args"]["models"][0]
     vllm = simulated_vllm(config, None, tmp_path, REPO)
     assert vllm.argv[1:3] == ["-m", "benchmarks.vllm_frontend"]
-    assert json.loads(vllm.argv[vllm.argv.index("--simulated-engine") + 1]) == entry["simulated_engine"]
+    # sized by the model's engine arguments, as this app's replicas size it (serve_app.config.sized_for)
+    sized = sized_for(entry["simulated_engine"], entry["engine_args"])
+    assert json.loads(vllm.argv[vllm.argv.index("--simulated-engine") + 1]) == sized
     assert vllm.argv[vllm.argv.index("--fingerprint-mode") + 1] == "custom"
     assert yaml.safe_load((tmp_path / "engine_args.yaml").read_text()) == entry["engine_args"]
     this_app(config, None, tmp_path, REPO)
@@ -187,14 +191,15 @@ def test_what_the_timing_model_allows_grows_with_streams_up_to_the_batch():
     from serve_app.config import SimulatedEngineConfig
 
     settings, workload = SimulatedEngineConfig(), Workload("m", 32, 256)
+    step_s = 0.0014 + sizing.weights_gb() * 1e9 / 3.35e12  # launch and sampling, and the bf16 weights: 7.0 ms
     one, batch, beyond = (allowed_tokens_per_s(settings, 64, n, workload) for n in (1, 64, 256))
     assert one == pytest.approx(
         256
         / (
-            0.007
+            step_s
             + 32 * 0.031e-3
             + 32 * 40960 / 3.35e12
-            + sum(0.007 + (32 + k) * 40960 / 3.35e12 for k in range(1, 256))
+            + sum(step_s + (32 + k) * 40960 / 3.35e12 for k in range(1, 256))
         )
     )
     assert 60 * one < batch == beyond
@@ -268,7 +273,9 @@ def test_ray_serve_llm_gets_the_models_engine_arguments_and_the_simulated_engine
     }
     assert config["engine_kwargs"] == {"max_num_seqs": 64}  # vLLM's front-end arguments are not engine arguments
     env = config["runtime_env"]["env_vars"]
-    assert env[SETUP_HOOK_ENV] == HOOK and json.loads(env[SETTINGS_ENV]) == {"load_s": 0}
+    # Sized as the model's engine arguments say (bf16 here), as this app's replicas size it.
+    sized = {"load_s": 0, "weights_gb": sizing.weights_gb(), "kv_bytes_per_token": sizing.kv_bytes_per_token()}
+    assert env[SETUP_HOOK_ENV] == HOOK and json.loads(env[SETTINGS_ENV]) == sized
 
 
 def test_the_scale_ramp_goes_up_holds_and_comes_down():
@@ -442,3 +449,16 @@ def test_the_fair_share_benchmark_gives_this_apps_config_both_keys_and_the_chose
         "ttft_p99_ms": 40.0,
         "statuses": {"200": 4, "429": 1},
     }
+
+
+def test_the_quantised_sizing_estimates_follow_the_engine_arguments():
+    from benchmarks.quantised_sizing import H100, L4, estimate
+
+    bf16, fp8_kv = estimate(H100, {}, 2048), estimate(H100, {"kv_cache_dtype": "fp8"}, 2048)
+    fp8 = estimate(H100, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}, 2048)
+    assert (bf16["weights_gb"], fp8["weights_gb"]) == (18.8, 10.6)
+    assert abs(fp8_kv["kv_cache_tokens"] - 2 * bf16["kv_cache_tokens"]) <= 1  # same room, half the bytes
+    assert fp8["decode_step_ms_1_stream"] < bf16["decode_step_ms_1_stream"]
+    assert fp8["conversations_8k"] == fp8["kv_cache_tokens"] // 8192
+    assert bf16["tokens_per_s_64"] < fp8_kv["tokens_per_s_64"] < fp8["tokens_per_s_64"]
+    assert estimate(L4, {}, 2048)["tokens_per_s_256"] is None  # 256 x 2048 tokens exceed its cache

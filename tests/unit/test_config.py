@@ -78,6 +78,24 @@ def test_unknown_engine_argument_is_named():
         parse_app_config(minimal(engine_args={"model": "m", "max_model_length": 10}))
 
 
+@pytest.mark.parametrize(
+    ("engine_args", "names"),
+    [
+        ({"quantization": "fp9"}, "quantization 'fp9' is not one of vLLM's methods"),
+        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype 'int3' is not one of vLLM's"),
+        ({"kv_cache_dtype": "float16"}, "kv_cache_dtype: dtype float16 refused"),
+    ],
+)
+def test_a_quantisation_vllm_does_not_know_or_a_float16_kv_cache_is_refused_at_config_time(engine_args, names):
+    with pytest.raises(ConfigError, match=r"args\.models\.0\.engine_args: .*" + names):
+        parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 8, **engine_args}))
+
+
+def test_vllms_quantisation_methods_and_fp8_kv_cache_are_accepted():
+    args = {"model": "m", "max_num_seqs": 8, "quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}
+    assert parse_app_config(minimal(engine_args=args)).models[0].engine_args["kv_cache_dtype"] == "fp8"
+
+
 def test_engine_model_is_required():
     with pytest.raises(ConfigError, match=r"args\.models\.0\.engine_args.*'model'"):
         parse_app_config(minimal(engine_args={"max_model_len": 10}))

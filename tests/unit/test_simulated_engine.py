@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.config import SimulatedEngineConfig
+from serve_app.config import ModelConfig, SimulatedEngineConfig
+from serve_app.glm4 import sizing
 from serve_app.simulated_engine.batch import ContinuousBatch, Emitted, Event, Finish, SimSequence
 from serve_app.simulated_engine.timing import GpuTiming
 
@@ -73,13 +74,45 @@ def by_request(tokens: list[tuple[float, Emitted]]) -> dict[str, list[Emitted]]:
 def test_the_default_timing_is_glm4_9b_on_one_h100():
     h100 = GpuTiming.from_config(SimulatedEngineConfig())
     # (80 GB x 0.9 - 18.8 GB of weights) / 40 KiB per token
-    assert h100.kv_capacity_tokens == int((80 * 0.9 - 18.8) * 1e9 // 40960) == 1_298_828
-    assert h100.step_s(0, 0) == pytest.approx(0.007)
+    assert h100.kv_capacity_tokens == int((80 * 0.9 - sizing.weights_gb()) * 1e9 // 40960) == 1_298_855
+    # 1.4 ms of launch and sampling, and 18.8 GB of weights read at 3.35 TB/s.
+    step = 0.0014 + sizing.weights_gb() * 1e9 / 3.35e12
+    assert h100.step_s(0, 0) == pytest.approx(step) == pytest.approx(0.007, abs=2e-5)
     # 64 sequences of 1000 tokens: 64,000 x 40 KiB read at 3.35 TB/s adds 0.78 ms.
-    assert h100.step_s(64_000, 0) == pytest.approx(0.007 + 64_000 * 40960 / 3.35e12)
+    assert h100.step_s(64_000, 0) == pytest.approx(step + 64_000 * 40960 / 3.35e12)
     # A 1000-token prompt: 31 ms of compute.
     assert h100.step_s(1000, 1000) - h100.step_s(1000, 0) == pytest.approx(0.031)
     assert h100.decode_tokens_per_s(64, 288) == pytest.approx(64 / h100.step_s(64 * 288, 0))
+
+
+def test_fp8_weights_and_kv_cache_shorten_each_step_and_double_the_tokens_that_fit():
+    """The sizes follow vLLM's engine arguments (quantization, kv_cache_dtype) unless set."""
+
+    def timing(**engine_args) -> GpuTiming:
+        config = ModelConfig(
+            name="m",
+            engine_args={"model": "m", "max_num_seqs": 8, **engine_args},
+            simulated_engine=SimulatedEngineConfig(),
+        )
+        assert config.simulated_engine is not None
+        return GpuTiming.from_config(config.simulated_engine)
+
+    bf16, fp8 = timing(), timing(quantization="fp8", kv_cache_dtype="fp8")
+    assert bf16 == GpuTiming.from_config(SimulatedEngineConfig())
+    assert fp8.kv_bytes_per_token == 20480 and bf16.kv_bytes_per_token == 40960
+    # Weights: 8.16 B linear parameters at 1 byte, the 1.24 B of the vocabulary's two matrices at 2.
+    assert fp8.step_s(0, 0) == pytest.approx(0.0014 + (8.158e9 + 2 * 1.2415e9) / 3.35e12, rel=1e-4)
+    assert fp8.kv_capacity_tokens == int((72e9 - sizing.weights_gb("fp8") * 1e9) // 20480)
+    assert fp8.kv_capacity_tokens > 2 * bf16.kv_capacity_tokens  # (the smaller weights leave more room too)
+    assert timing(quantization="awq").step_s(0, 0) < fp8.step_s(0, 0)
+    explicit = ModelConfig(
+        name="m",
+        engine_args={"model": "m", "max_num_seqs": 8, "quantization": "fp8"},
+        simulated_engine=SimulatedEngineConfig(weights_gb=12.0),
+    )
+    assert explicit.simulated_engine is not None and explicit.simulated_engine.weights_gb == 12.0
+    with pytest.raises(ValueError, match="no size known for quantization 'bitsandbytes'"):
+        timing(quantization="bitsandbytes")
 
 
 def test_every_figure_is_a_setting():
@@ -90,13 +123,13 @@ def test_every_figure_is_a_setting():
             weights_gb=10,
             kv_bytes_per_token=10_000,
             memory_bandwidth_tb_s=1,
-            step_overhead_ms=2,
+            step_launch_ms=2,
             prefill_ms_per_token=0.5,
             max_num_batched_tokens=100,
         )
     )
     assert custom.kv_capacity_tokens == 1_000_000
-    assert custom.step_s(100, 10) == pytest.approx(0.002 + 100 * 10_000 / 1e12 + 10 * 0.0005)
+    assert custom.step_s(100, 10) == pytest.approx(0.002 + (10e9 + 100 * 10_000) / 1e12 + 10 * 0.0005)
     assert custom.max_num_batched_tokens == 100
 
 
