@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
+# The tiny model's 4-bit weight-only copy (serve_app/glm4/quantise_w4a16.py), for the quantised-serving test.
+TINY_W4A16 := models/tiny-glm4-w4a16
 STAMP := $(VENV)/.installed
 # The Kubernetes security scanner (pyproject.toml's `scan` group), in an environment of its own.
 SCAN_VENV := .venv-scan
@@ -47,10 +49,14 @@ $(CLIENTS_STAMP): pyproject.toml
 	$(CLIENTS_VENV)/bin/pip install --quiet --group clients
 	touch $(CLIENTS_STAMP)
 
-tiny-model: $(TINY_MODEL)/tiny_model.json
+tiny-model: $(TINY_MODEL)/tiny_model.json $(TINY_W4A16)/config.json
 
 $(TINY_MODEL)/tiny_model.json: $(STAMP) tools/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
 	$(BIN)/python -m tools.tiny_model $(TINY_MODEL) --force
+
+$(TINY_W4A16)/config.json: $(TINY_MODEL)/tiny_model.json serve_app/glm4/quantise_w4a16.py
+	rm -rf $(TINY_W4A16)
+	$(BIN)/python -m serve_app.glm4.quantise_w4a16 $(TINY_MODEL) $(TINY_W4A16)
 
 # A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
 # Token authentication is on, as in production, whatever ran before: the token is

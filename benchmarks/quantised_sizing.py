@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import SimulatedEngineConfig, sized_for
+from serve_app.glm4 import sizing
 from serve_app.simulated_engine.timing import GpuTiming
 
 CONVERSATION_TOKENS = 8192
@@ -31,23 +32,32 @@ class Gpu:
 
 H100 = Gpu("H100 SXM 80 GB", 80, 3.35)
 L4 = Gpu("L4 24 GB", 24, 0.3)
+A10G = Gpu("A10G 24 GB", 24, 0.6)
 
-# (GPU, vLLM's engine arguments): bf16 as shipped, FP8 weights and KV cache on the H100
-# (compute capability 9.0), and a 4-bit AWQ checkpoint with an FP8 KV cache on a 24 GB L4 (8.9).
-VARIANTS: list[tuple[Gpu, dict[str, Any]]] = [
-    (H100, {}),
-    (H100, {"kv_cache_dtype": "fp8"}),
-    (H100, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),
-    (L4, {}),
-    (L4, {"quantization": "awq_marlin", "kv_cache_dtype": "fp8"}),
-    (L4, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}),
+# The 4-bit checkpoint of deploy/config.w4a16.yaml (serve_app/glm4/quantise_w4a16.py): vLLM's argument is
+# compressed-tensors, whose bits only the checkpoint says; 4 bits and a bf16 scale per group of
+# 128, as GPTQ's.
+W4A16_GB = sizing.weights_gb("gptq")
+
+# (GPU, vLLM's engine arguments, weights in GB where the arguments do not size them): bf16 as
+# shipped, FP8 weights and KV cache on the H100 (compute capability 9.0; deploy/config.fp8.yaml),
+# 4-bit weights with an FP8 KV cache on a 24 GB A10G (deploy/config.w4a16.yaml), and on a 24 GB L4
+# (8.9) a 4-bit AWQ checkpoint or FP8.
+VARIANTS: list[tuple[Gpu, dict[str, Any], float | None]] = [
+    (H100, {}, None),
+    (H100, {"kv_cache_dtype": "fp8"}, None),
+    (H100, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}, None),
+    (A10G, {}, None),
+    (A10G, {"quantization": "compressed-tensors", "kv_cache_dtype": "fp8"}, W4A16_GB),
+    (L4, {}, None),
+    (L4, {"quantization": "awq_marlin", "kv_cache_dtype": "fp8"}, None),
+    (L4, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}, None),
 ]
 
 
-def estimate(gpu: Gpu, engine_args: dict[str, Any], context: int) -> dict[str, Any]:
-    settings = SimulatedEngineConfig.model_validate(
-        sized_for({"gpu_memory_gb": gpu.memory_gb, "memory_bandwidth_tb_s": gpu.bandwidth_tb_s}, engine_args)
-    )
+def estimate(gpu: Gpu, engine_args: dict[str, Any], context: int, weights_gb: float | None = None) -> dict[str, Any]:
+    hardware = {"gpu_memory_gb": gpu.memory_gb, "memory_bandwidth_tb_s": gpu.bandwidth_tb_s, "weights_gb": weights_gb}
+    settings = SimulatedEngineConfig.model_validate(sized_for(hardware, engine_args))
     timing = GpuTiming.from_config(settings)
     return {
         "gpu": gpu.name,
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=2048, help="mean context tokens of each decoding stream")
     parser.add_argument("--json", action="store_true", help="one JSON object per variant")
     args = parser.parse_args(argv)
-    rows = [estimate(gpu, engine_args, args.context) for gpu, engine_args in VARIANTS]
+    rows = [estimate(gpu, engine_args, args.context, weights) for gpu, engine_args, weights in VARIANTS]
     if args.json:
         for row in rows:
             print(json.dumps(row))

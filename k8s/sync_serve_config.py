@@ -3,13 +3,15 @@
 The serve config has one source of truth, deploy/config.yaml (production, two GPUs or more).
 From it this writes:
 
-- deploy/config.single-gpu.yaml: deploy/config.yaml with the JSON-patch operations of
-  deploy/config.single-gpu.patch.yaml applied (one replica, no surge), for `serve run` on one
-  GPU and the single-gpu overlay;
+- each variant's deploy/config.<variant>.yaml: deploy/config.yaml with the JSON-patch
+  operations of deploy/config.<variant>.patch.yaml applied, for `serve run`:
+  - single-gpu: one replica, no surge, for one GPU (and the single-gpu overlay);
+  - fp8: FP8 weights and KV cache on H100s (and the fp8 overlay);
+  - w4a16: 4-bit weights and an FP8 KV cache on 24 GB GPUs (A10G);
 - the RayService's serveConfigV2 in k8s/base/rayservice.yaml: deploy/config.yaml verbatim
   (KubeRay reads the serve config as a string inside the manifest);
-- k8s/overlays/single-gpu/serve-config.yaml: a patch giving that overlay
-  deploy/config.single-gpu.yaml as its serveConfigV2.
+- k8s/overlays/<variant>/serve-config.yaml, for a variant with an overlay: a patch giving
+  that overlay deploy/config.<variant>.yaml as its serveConfigV2.
 
 Run `make k8s-sync` after editing deploy/config.yaml or a patch; tests/unit/test_k8s.py
 fails while anything written here is out of date.
@@ -30,9 +32,27 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
 RAYSERVICE = ROOT / "k8s" / "base" / "rayservice.yaml"
-SINGLE_GPU_PATCH = ROOT / "deploy" / "config.single-gpu.patch.yaml"
-SINGLE_GPU_CONFIG = ROOT / "deploy" / "config.single-gpu.yaml"
-SINGLE_GPU_OVERLAY_PATCH = ROOT / "k8s" / "overlays" / "single-gpu" / "serve-config.yaml"
+# Each variant: what `serve run deploy/config.<variant>.yaml` needs, and whether an overlay of
+# k8s/overlays carries it.
+VARIANTS: dict[str, tuple[str, bool]] = {
+    "single-gpu": ("one GPU machine, the `gpu` extra installed", True),
+    "fp8": ("H100 GPUs, the `gpu` extra installed", True),
+    "w4a16": ("24 GB GPUs (A10G), the `gpu` extra installed and the 4-bit checkpoint written", False),
+}
+
+
+def patch_file(variant: str) -> Path:
+    return ROOT / "deploy" / f"config.{variant}.patch.yaml"
+
+
+def config_file(variant: str) -> Path:
+    return ROOT / "deploy" / f"config.{variant}.yaml"
+
+
+def overlay_patch_file(variant: str) -> Path:
+    return ROOT / "k8s" / "overlays" / variant / "serve-config.yaml"
+
+
 KEY = "serveConfigV2: |"
 
 
@@ -78,14 +98,15 @@ def patched(document: Any, operations: list[dict[str, Any]]) -> Any:
     return result
 
 
-def single_gpu_config() -> str:
-    """deploy/config.single-gpu.yaml's text: deploy/config.yaml, patched, with a header saying so."""
-    config = patched(yaml.safe_load(SERVE_CONFIG.read_text()), yaml.safe_load(SINGLE_GPU_PATCH.read_text()))
+def variant_config(variant: str) -> str:
+    """deploy/config.<variant>.yaml's text: deploy/config.yaml, patched, with a header saying so."""
+    config = patched(yaml.safe_load(SERVE_CONFIG.read_text()), yaml.safe_load(patch_file(variant).read_text()))
+    needs, overlay = VARIANTS[variant]
     header = (
-        "# Written by `make k8s-sync`: deploy/config.yaml with deploy/config.single-gpu.patch.yaml\n"
+        f"# Written by `make k8s-sync`: deploy/config.yaml with deploy/config.{variant}.patch.yaml\n"
         "# applied. Edit those two, not this; deploy/config.yaml says why each setting is what it is.\n"
-        "#   serve run deploy/config.single-gpu.yaml     (one GPU machine, the `gpu` extra installed)\n"
-        "# The single-gpu overlay's serveConfigV2 on Kubernetes.\n"
+        f"#   serve run deploy/config.{variant}.yaml     ({needs})\n"
+        + (f"# The {variant} overlay's serveConfigV2 on Kubernetes.\n" if overlay else "")
     )
     return header + yaml.safe_dump(config, sort_keys=False, width=100)
 
@@ -101,12 +122,13 @@ def overlay_patch(serve_config: str, source: str) -> str:
 
 def synced() -> dict[Path, str]:
     """Every file this writes, with the text it should have."""
-    single_gpu = single_gpu_config()
-    return {
-        SINGLE_GPU_CONFIG: single_gpu,
-        RAYSERVICE: with_serve_config(RAYSERVICE.read_text(), SERVE_CONFIG.read_text()),
-        SINGLE_GPU_OVERLAY_PATCH: overlay_patch(single_gpu, SINGLE_GPU_CONFIG.relative_to(ROOT).as_posix()),
-    }
+    wanted = {RAYSERVICE: with_serve_config(RAYSERVICE.read_text(), SERVE_CONFIG.read_text())}
+    for variant, (_, overlay) in VARIANTS.items():
+        text = variant_config(variant)
+        wanted[config_file(variant)] = text
+        if overlay:
+            wanted[overlay_patch_file(variant)] = overlay_patch(text, config_file(variant).relative_to(ROOT).as_posix())
+    return wanted
 
 
 def main(argv: list[str]) -> int:

@@ -104,6 +104,54 @@ def check_remote_code_is_pinned(engine_args: dict[str, Any]) -> None:
         )
 
 
+# vLLM's FP8 methods that need FP8 arithmetic: on a GPU without it, vLLM's other FP8 methods run
+# as FP8 weights computed in bfloat16 (Marlin), this one fails once its weights are loaded.
+FP8_COMPUTE_ONLY = frozenset({"fp8_per_channel"})
+
+
+def check_fits_accelerator(engine_args: dict[str, Any], accelerator_type: str) -> None:
+    """The GPU a replica asks Ray for (``ray_actor_options.accelerator_type``) can run GLM-4-9B as
+    configured: it computes in bfloat16 (and in FP8 where the method needs it), and its memory
+    holds the weights and the KV cache of one ``max_model_len`` sequence at
+    ``gpu_memory_utilization``. Sizes are GLM-4-9B's
+    (:mod:`serve_app.glm4.sizing`); activations are not counted, so a config refused here cannot
+    start, and one passed may still be refused by vLLM's memory profile as the replica starts.
+    A type :data:`serve_app.accelerators.ACCELERATORS` does not list is not checked."""
+    from serve_app.accelerators import ACCELERATORS
+
+    gpu = ACCELERATORS.get(accelerator_type)
+    if gpu is None:
+        return
+    if not gpu.bfloat16:
+        major, minor = gpu.compute_capability
+        raise ValueError(
+            f"accelerator_type {accelerator_type} (compute capability {major}.{minor}) has no bfloat16, which "
+            "GLM-4 computes in (float16 overflows), FP8 and 4-bit weights included: it needs 8.0 (Ampere) or later"
+        )
+    quantization = engine_args.get("quantization")
+    if quantization in FP8_COMPUTE_ONLY and not gpu.fp8:
+        raise ValueError(
+            f"quantization {quantization} computes in FP8, which accelerator_type {accelerator_type} has no "
+            "tensor cores for (compute capability 8.9 or later: L4, L40S, H100, H200); fp8_per_tensor runs there "
+            "as FP8 weights with bfloat16 arithmetic (vLLM's Marlin kernel)"
+        )
+    weights = sizing.least_weights_gb(quantization)
+    room = gpu.memory_gb * float(engine_args.get("gpu_memory_utilization", 0.9)) - weights
+    kv_dtype = engine_args.get("kv_cache_dtype") or "auto"
+    if "max_model_len" not in engine_args or kv_dtype not in sizing.KV_ELEMENT_BYTES:
+        return
+    needed = int(engine_args["max_model_len"]) * sizing.kv_bytes_per_token(kv_dtype) / 1e9
+    if room < needed:
+        fits = max(0, int(room * 1e9 / sizing.kv_bytes_per_token(kv_dtype)))
+        raise ValueError(
+            f"on {accelerator_type} ({gpu.memory_gb:g} GB) at gpu_memory_utilization "
+            f"{engine_args.get('gpu_memory_utilization', 0.9)}, {weights:.1f} GB of weights "
+            f"(quantization {quantization}) leave {max(room, 0):.1f} GB for the KV cache, before activations; one "
+            f"max_model_len {engine_args['max_model_len']} sequence needs {needed:.1f} GB (kv_cache_dtype "
+            f"{kv_dtype}): lower max_model_len below {fits}, or quantise the weights or the KV cache"
+        )
+
+
 def validate_deployment_options(options: dict[str, Any]) -> dict[str, Any]:
     """Check Ray Serve deployment options with Ray's own models; return them unchanged."""
     from pydantic import ValidationError
@@ -366,6 +414,24 @@ class ModelConfig(_Strict):
         if isinstance(simulated, dict) and isinstance(engine_args, dict):
             data = data | {"simulated_engine": sized_for(simulated, engine_args)}
         return data
+
+    @model_validator(mode="after")
+    def _fits_its_gpu(self) -> ModelConfig:
+        """One max_model_len sequence fits beside the weights, on the GPU Ray is asked for or the
+        simulated one (whose sizes are resolved from the same engine arguments)."""
+        accelerator_type = (self.deployment.get("ray_actor_options") or {}).get("accelerator_type")
+        if accelerator_type is not None:
+            check_fits_accelerator(self.engine_args, accelerator_type)
+        simulated, max_model_len = self.simulated_engine, self.engine_args.get("max_model_len")
+        if simulated is not None and max_model_len is not None:
+            room = simulated.gpu_memory_gb * simulated.gpu_memory_utilization - simulated.resolved_weights_gb()
+            needed = int(max_model_len) * simulated.resolved_kv_bytes_per_token() / 1e9
+            if room < needed:
+                raise ValueError(
+                    f"simulated_engine: {room:.1f} GB of KV cache after the weights cannot hold one "
+                    f"max_model_len {max_model_len} sequence ({needed:.1f} GB)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_request_router(self) -> ModelConfig:

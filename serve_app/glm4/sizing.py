@@ -34,7 +34,6 @@ LINEAR_WEIGHT_BYTES: dict[str | None, float] = {
     "fp8_per_tensor": 1.0,
     "fp8_per_channel": 1.0,
     "fp8_per_block": 1.0,
-    "int8_per_channel_weight_only": 1.0,
     "awq": 4.25 / 8,
     "awq_marlin": 4.25 / 8,
     "gptq": 4.125 / 8,
@@ -58,6 +57,15 @@ def weights_gb(quantization: str | None = None) -> float:
         raise ValueError(f"no size known for quantization {quantization!r} (known: {known})")
     linear = LINEAR_PARAMETERS * LINEAR_WEIGHT_BYTES[quantization]
     return (linear + VOCABULARY_PARAMETERS * BF16_BYTES) / 1e9
+
+
+def least_weights_gb(quantization: str | None = None) -> float:
+    """The weights in GB under ``quantization``, or, for a method whose checkpoint alone says how many
+    bits it stores (``compressed-tensors``, ``modelopt``, ...), the least any method here takes (4-bit):
+    a bound below which a check may refuse a config without knowing the checkpoint."""
+    if quantization in LINEAR_WEIGHT_BYTES:
+        return weights_gb(quantization)
+    return min(weights_gb(method) for method in LINEAR_WEIGHT_BYTES)
 
 
 def kv_bytes_per_token(kv_cache_dtype: str = "auto") -> int:

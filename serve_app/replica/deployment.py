@@ -34,7 +34,7 @@ from serve_app import vllm_internals
 from serve_app.config import ModelConfig, PromptLogprobsConfig, split_engine_args
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
-from serve_app.observability.engine_metrics import engine_stat_logger
+from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
 from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, is_error_event
 from serve_app.replica.context_limit import enforce_context_limit
 from serve_app.replica.engine_watch import EngineProgress, EngineWatch
@@ -90,6 +90,7 @@ class ModelServer:
             vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
         check_dtype(vllm_config.model_config.dtype)
+        report_engine_info(model.name, vllm_config)
         engine_options = dict(
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=engine_args.enable_log_requests,

@@ -14,7 +14,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SERVE_CONFIG = ROOT / "deploy" / "config.yaml"
-SINGLE_GPU_SERVE_CONFIG = ROOT / "deploy" / "config.single-gpu.yaml"
 MONITORING = K8S / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
@@ -74,9 +73,14 @@ def pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
     return [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
 
 
+# Overlays that carry a variant of deploy/config.yaml (k8s/sync_serve_config.py's VARIANTS).
+VARIANT_OVERLAYS = ("single-gpu", "fp8")
+
+
 def serve_config_file(name: str) -> Path:
-    """The serve config a document set carries as serveConfigV2 (`make k8s-sync` copies it)."""
-    return SINGLE_GPU_SERVE_CONFIG if name == "single-gpu" else SERVE_CONFIG
+    """The serve config a document set carries as serveConfigV2 (`make k8s-sync` copies it):
+    deploy/config.<variant>.yaml for a variant's overlay, deploy/config.yaml for the others."""
+    return ROOT / "deploy" / f"config.{name}.yaml" if name in VARIANT_OVERLAYS else SERVE_CONFIG
 
 
 def worker_groups(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:

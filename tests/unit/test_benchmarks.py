@@ -452,7 +452,7 @@ def test_the_fair_share_benchmark_gives_this_apps_config_both_keys_and_the_chose
 
 
 def test_the_quantised_sizing_estimates_follow_the_engine_arguments():
-    from benchmarks.quantised_sizing import H100, L4, estimate
+    from benchmarks.quantised_sizing import A10G, H100, L4, W4A16_GB, estimate
 
     bf16, fp8_kv = estimate(H100, {}, 2048), estimate(H100, {"kv_cache_dtype": "fp8"}, 2048)
     fp8 = estimate(H100, {"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}, 2048)
@@ -462,3 +462,8 @@ def test_the_quantised_sizing_estimates_follow_the_engine_arguments():
     assert fp8["conversations_8k"] == fp8["kv_cache_tokens"] // 8192
     assert bf16["tokens_per_s_64"] < fp8_kv["tokens_per_s_64"] < fp8["tokens_per_s_64"]
     assert estimate(L4, {}, 2048)["tokens_per_s_256"] is None  # 256 x 2048 tokens exceed its cache
+    # deploy/config.w4a16.yaml's shape: 4-bit weights (given, as compressed-tensors' bits are the
+    # checkpoint's) and an FP8 cache give a 24 GB card ten times bf16's cache.
+    w4a16 = estimate(A10G, {"quantization": "compressed-tensors", "kv_cache_dtype": "fp8"}, 2048, W4A16_GB)
+    assert w4a16["weights_gb"] == 6.7
+    assert w4a16["kv_cache_tokens"] > 10 * estimate(A10G, {}, 2048)["kv_cache_tokens"]

@@ -9,7 +9,14 @@ from serve_app.config import DIRECT_REQUESTS_HEADROOM, ConfigError, parse_app_co
 from tools.cluster_env import cluster_env
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-SHIPPED = ["config.yaml", "config.single-gpu.yaml", "config.cpu.yaml", "config.sim.yaml"]
+SHIPPED = [
+    "config.yaml",
+    "config.single-gpu.yaml",
+    "config.fp8.yaml",
+    "config.w4a16.yaml",
+    "config.cpu.yaml",
+    "config.sim.yaml",
+]
 
 
 def app_args(config_file: str) -> dict:
@@ -94,6 +101,55 @@ def test_a_quantisation_vllm_does_not_know_or_a_float16_kv_cache_is_refused_at_c
 def test_vllms_quantisation_methods_and_fp8_kv_cache_are_accepted():
     args = {"model": "m", "max_num_seqs": 8, "quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8"}
     assert parse_app_config(minimal(engine_args=args)).models[0].engine_args["kv_cache_dtype"] == "fp8"
+
+
+def on_gpu(accelerator_type: str, **engine_args) -> dict:
+    """Application args whose one model asks Ray for ``accelerator_type``."""
+    return minimal(
+        engine_args={"model": "m", "max_num_seqs": 8} | engine_args,
+        deployment={"ray_actor_options": {"num_gpus": 1, "accelerator_type": accelerator_type}},
+    )
+
+
+@pytest.mark.parametrize(
+    ("accelerator_type", "engine_args", "names"),
+    [
+        # bf16 weights (18.8 GB) on 24 GB leave 2.9 GB; 128K tokens of bf16 KV take 5.4 GB.
+        ("A10G", {"max_model_len": 131072}, r"leave 2\.9 GB .* needs 5\.4 GB .* below 70584"),
+        # A compressed-tensors checkpoint is counted at the least any 4-bit method takes.
+        ("L4", {"max_model_len": 1_000_000, "quantization": "compressed-tensors"}, r"6\.7 GB of weights"),
+        ("T4", {"max_model_len": 4096}, r"T4 \(compute capability 7\.5\) has no bfloat16"),
+        ("A100", {"quantization": "fp8_per_channel"}, "fp8_per_channel computes in FP8, which .* A100 has no"),
+    ],
+)
+def test_a_gpu_that_cannot_run_the_model_as_configured_is_refused_with_the_reason(accelerator_type, engine_args, names):
+    with pytest.raises(ConfigError, match=r"args\.models\.0: .*" + names):
+        parse_app_config(on_gpu(accelerator_type, **engine_args))
+
+
+@pytest.mark.parametrize(
+    ("accelerator_type", "engine_args"),
+    [
+        ("A10G", {"max_model_len": 32768}),  # bf16, 32K: 1.3 GB of KV
+        ("A10G", {"max_model_len": 131072, "quantization": "compressed-tensors", "kv_cache_dtype": "fp8"}),
+        ("H100", {"max_model_len": 131072}),
+        ("A100", {"quantization": "fp8_per_tensor"}),  # FP8 weights, bf16 arithmetic (Marlin)
+        ("MI300X", {"max_model_len": 10_000_000}),  # a type the table does not know: not checked
+    ],
+)
+def test_a_gpu_that_can_run_the_model_as_configured_is_accepted(accelerator_type, engine_args):
+    parse_app_config(on_gpu(accelerator_type, **engine_args))
+
+
+def test_the_simulated_gpu_must_hold_one_max_model_len_sequence():
+    """80 GB x 0.9 - 18.8 GB of bf16 weights = 53.2 GB: 1.3 M tokens of bf16 KV, 2.6 M of FP8."""
+    simulated = {"simulated_engine": {"load_s": 0}}
+    with pytest.raises(ConfigError, match=r"53\.2 GB of KV cache .* max_model_len 2000000 sequence \(81\.9 GB\)"):
+        parse_app_config(
+            minimal(engine_args={"model": "m", "max_num_seqs": 8, "max_model_len": 2_000_000}, **simulated)
+        )
+    fp8 = {"model": "m", "max_num_seqs": 8, "max_model_len": 2_000_000, "kv_cache_dtype": "fp8"}
+    parse_app_config(minimal(engine_args=fp8, **simulated))
 
 
 def test_engine_model_is_required():

@@ -36,8 +36,8 @@ from tests.unit.k8s_manifests import (
 from tools.cluster_env import cluster_env
 
 
-def test_there_is_a_small_and_a_production_overlay_and_one_for_incremental_upgrades():
-    assert OVERLAYS == ["production", "production-incremental", "single-gpu"]
+def test_there_is_a_small_a_production_and_an_fp8_overlay_and_one_for_incremental_upgrades():
+    assert OVERLAYS == ["fp8", "production", "production-incremental", "single-gpu"]
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
@@ -71,7 +71,7 @@ def test_every_ray_container_has_the_cluster_env_of_deploy_cluster_env(name):
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_serve_config_is_a_file_of_deploy_verbatim_and_valid_for_ray(name):
-    """deploy/config.yaml (base, production overlays) or deploy/config.single-gpu.yaml (single-gpu)."""
+    """deploy/config.yaml (base, production overlays) or a variant's (single-gpu, fp8)."""
     (rayservice,) = rayservices(name)
     text = rayservice["spec"]["serveConfigV2"]
     source = serve_config_file(name)
@@ -99,16 +99,34 @@ def sync_module():
     return sync_serve_config
 
 
-def test_the_single_gpu_config_is_production_with_its_patch_applied():
-    """Every difference between the two serve configs is an operation of the patch file."""
+@pytest.mark.parametrize("variant", ["single-gpu", "fp8", "w4a16"])
+def test_each_variant_is_production_with_its_patch_applied(variant):
+    """Every difference between a variant's serve config and production's is an operation of its patch file."""
     sync = sync_module()
+    assert variant in sync.VARIANTS
     production = yaml.safe_load(sync.SERVE_CONFIG.read_text())
-    operations = yaml.safe_load(sync.SINGLE_GPU_PATCH.read_text())
-    single_gpu = yaml.safe_load(sync.SINGLE_GPU_CONFIG.read_text())
-    assert single_gpu == sync.patched(production, operations) != production
-    (model,) = single_gpu["applications"][0]["args"]["models"]
+    operations = yaml.safe_load(sync.patch_file(variant).read_text())
+    config = yaml.safe_load(sync.config_file(variant).read_text())
+    assert config == sync.patched(production, operations) != production
+
+
+def test_the_single_gpu_variant_runs_one_replica_and_no_surge():
+    (model,) = yaml.safe_load(sync_module().config_file("single-gpu").read_text())["applications"][0]["args"]["models"]
     assert model["deployment"]["autoscaling_config"]["max_replicas"] == 1
     assert model["deployment"]["max_surge_percent"] == 0
+
+
+def test_the_fp8_overlay_runs_its_replicas_on_the_gpus_its_serve_config_names():
+    """The serve config asks Ray for H100s; the GPU group's pods go to H100 nodes and tell the
+    autoscaler they offer that resource, or a replica waiting for one would never get a pod."""
+    (rayservice,) = rayservices("fp8")
+    (model,) = app_args(rayservice)["models"]
+    assert model["engine_args"]["quantization"] == "fp8_per_tensor"
+    assert model["engine_args"]["kv_cache_dtype"] == "fp8"
+    accelerator = model["deployment"]["ray_actor_options"]["accelerator_type"]
+    gpu = worker_groups(rayservice)["gpu"]
+    assert gpu["resources"] == {f"accelerator_type:{accelerator}": "1"}
+    assert gpu["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"].startswith(f"NVIDIA-{accelerator}-")
 
 
 def test_a_patch_that_no_longer_applies_is_an_error():

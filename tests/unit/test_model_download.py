@@ -17,9 +17,15 @@ def config_with(engine_args: dict) -> dict:
 
 
 def test_production_downloads_its_checkpoint():
-    for name in ("config.yaml", "config.single-gpu.yaml"):
+    for name in ("config.yaml", "config.single-gpu.yaml", "config.fp8.yaml"):
         config = yaml.safe_load((DEPLOY / name).read_text())
         assert checkpoints(config) == [Checkpoint("THUDM/glm-4-9b-chat-hf", None)]
+
+
+def test_the_4_bit_variant_serves_a_local_checkpoint_the_download_leaves_alone():
+    """Its checkpoint is written from the -hf one by serve_app/glm4/quantise_w4a16.py, not downloaded."""
+    config = yaml.safe_load((DEPLOY / "config.w4a16.yaml").read_text())
+    assert checkpoints(config) == []
 
 
 def test_revisions_and_a_separate_tokenizer_are_downloaded_as_named():
