@@ -25,16 +25,20 @@ MIB = 2**20
 class Accelerator:
     memory_gb: float
     compute_capability: tuple[int, int]
-    fp8: bool  # FP8 tensor cores (compute capability 8.9 or later): FP8 weights compute in FP8
 
     @property
     def bfloat16(self) -> bool:
         """bfloat16 arithmetic, which GLM-4 needs (its activations overflow float16): Ampere (8.0) on."""
         return self.compute_capability >= (8, 0)
 
+    @property
+    def fp8(self) -> bool:
+        """FP8 tensor cores (Ada and Hopper, 8.9 on): FP8 weights compute in FP8."""
+        return self.compute_capability >= (8, 9)
+
 
 def _gpu(mib: int, capability: tuple[int, int]) -> Accelerator:
-    return Accelerator(round(mib * MIB / 1e9, 1), capability, capability >= (8, 9))
+    return Accelerator(round(mib * MIB / 1e9, 1), capability)
 
 
 ACCELERATORS: dict[str, Accelerator] = {

@@ -135,11 +135,11 @@ def check_fits_accelerator(engine_args: dict[str, Any], accelerator_type: str) -
             "tensor cores for (compute capability 8.9 or later: L4, L40S, H100, H200); fp8_per_tensor runs there "
             "as FP8 weights with bfloat16 arithmetic (vLLM's Marlin kernel)"
         )
-    weights = sizing.least_weights_gb(quantization)
-    room = gpu.memory_gb * float(engine_args.get("gpu_memory_utilization", 0.9)) - weights
     kv_dtype = engine_args.get("kv_cache_dtype") or "auto"
     if "max_model_len" not in engine_args or kv_dtype not in sizing.KV_ELEMENT_BYTES:
         return
+    weights = sizing.least_weights_gb(quantization)
+    room = sizing.kv_room_gb(gpu.memory_gb, float(engine_args.get("gpu_memory_utilization", 0.9)), weights)
     needed = int(engine_args["max_model_len"]) * sizing.kv_bytes_per_token(kv_dtype) / 1e9
     if room < needed:
         fits = max(0, int(room * 1e9 / sizing.kv_bytes_per_token(kv_dtype)))
@@ -309,7 +309,7 @@ class SimulatedEngineConfig(_Strict):
 
     @model_validator(mode="after")
     def _kv_cache_has_room(self) -> SimulatedEngineConfig:
-        if self.gpu_memory_gb * self.gpu_memory_utilization <= self.resolved_weights_gb():
+        if sizing.kv_room_gb(self.gpu_memory_gb, self.gpu_memory_utilization, self.resolved_weights_gb()) <= 0:
             raise ValueError("gpu_memory_gb x gpu_memory_utilization leaves no room for the KV cache after weights_gb")
         return self
 
@@ -424,7 +424,9 @@ class ModelConfig(_Strict):
             check_fits_accelerator(self.engine_args, accelerator_type)
         simulated, max_model_len = self.simulated_engine, self.engine_args.get("max_model_len")
         if simulated is not None and max_model_len is not None:
-            room = simulated.gpu_memory_gb * simulated.gpu_memory_utilization - simulated.resolved_weights_gb()
+            room = sizing.kv_room_gb(
+                simulated.gpu_memory_gb, simulated.gpu_memory_utilization, simulated.resolved_weights_gb()
+            )
             needed = int(max_model_len) * simulated.resolved_kv_bytes_per_token() / 1e9
             if room < needed:
                 raise ValueError(

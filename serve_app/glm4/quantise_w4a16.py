@@ -66,7 +66,8 @@ def quantise_linear(weight: torch.Tensor, chosen: QuantizationScheme) -> dict[st
 
 def quantise_checkpoint(source: Path, out: Path) -> Path:
     """Write ``out``: ``source``'s files, its safetensors quantised, its config naming the scheme."""
-    architectures = json.loads((source / "config.json").read_text()).get("architectures")
+    config = json.loads((source / "config.json").read_text())
+    architectures = config.get("architectures")
     if architectures != [ARCHITECTURE]:
         raise ValueError(
             f"{source} is {architectures}, not {ARCHITECTURE}: quantise the -hf checkpoint "
@@ -92,7 +93,6 @@ def quantise_checkpoint(source: Path, out: Path) -> Path:
         weight_map |= dict.fromkeys(tensors, shard.name)
     if (source / "model.safetensors.index.json").exists():
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((source / "config.json").read_text())
     quantisation = QuantizationConfig(
         config_groups={"group_0": chosen}, ignore=["lm_head"], format="pack-quantized", quantization_status="compressed"
     )

@@ -68,6 +68,11 @@ def least_weights_gb(quantization: str | None = None) -> float:
     return min(weights_gb(method) for method in LINEAR_WEIGHT_BYTES)
 
 
+def kv_room_gb(memory_gb: float, utilization: float, weights: float) -> float:
+    """KV cache room in GB: the share of a GPU's memory vLLM takes, less the weights (activations not counted)."""
+    return memory_gb * utilization - weights
+
+
 def kv_bytes_per_token(kv_cache_dtype: str = "auto") -> int:
     """Bytes of KV cache one token of context takes under ``kv_cache_dtype``."""
     if kv_cache_dtype not in KV_ELEMENT_BYTES:
