@@ -51,6 +51,14 @@ def haproxy_enabled() -> bool:
     return RAY_SERVE_ENABLE_HA_PROXY
 
 
+def metrics_export_interval_s() -> float:
+    """How often Ray exports a process's metrics (its ``metrics_report_interval_ms``, read as its
+    metric recorder reads it: at least 1 s); 10 s by Ray's default."""
+    import ray
+
+    return max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+
+
 @runtime_checkable
 class PickListener(Protocol):
     """A request router that wants to know the replica picked for a request nobody dispatches

@@ -1,12 +1,13 @@
 """Gauges that keep reporting their value while it stays the same.
 
 Ray's metrics agent drops a gauge's series once its process has not set it for
-two export intervals (20 s with Ray's default ``metrics_report_interval_ms``):
+two export intervals (20 s with Ray's default ``metrics_report_interval_ms`` of 10 s):
 an idle replica's "0 requests running" vanished from the scrape, so a dashboard
 showed "No data" and an alert could not tell 0 from a missing replica.
 
 :class:`KeptGauges` remembers the last value set for each gauge and tag set and
-sets them all again every :data:`REFRESH_S` from a daemon thread, for as long as
+sets them all again every fifth of the export interval (:func:`refresh_interval_s`) from a
+daemon thread, for as long as
 the process lives. A replica that is gone stops reporting, and its series age
 out as before.
 """
@@ -16,7 +17,13 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-REFRESH_S = 2.0  # well inside the agent's 20 s (two of Ray's 10 s export intervals)
+from serve_app.serve_internals import metrics_export_interval_s
+
+
+def refresh_interval_s() -> float:
+    """How often kept gauges are set again: a fifth of Ray's export interval (2 s by default),
+    well inside the two intervals after which the agent drops an unset gauge."""
+    return metrics_export_interval_s() / 5
 
 
 class Gauge(Protocol):
@@ -28,8 +35,8 @@ class Gauge(Protocol):
 class KeptGauges:
     """Sets gauges and keeps setting them to their last value."""
 
-    def __init__(self, refresh_s: float = REFRESH_S) -> None:
-        self.refresh_s = refresh_s
+    def __init__(self, refresh_s: float | None = None) -> None:
+        self.refresh_s = refresh_s  # None: read from Ray's config when the refreshing starts
         self._last: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Gauge, float, dict[str, str]]] = {}
         self._lock = threading.Lock()  # a refresh never writes a value older than one just set
         self._thread: threading.Thread | None = None
@@ -52,7 +59,8 @@ class KeptGauges:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.refresh_s):
+        refresh_s = self.refresh_s if self.refresh_s is not None else refresh_interval_s()
+        while not self._stop.wait(refresh_s):
             self.refresh()
 
 

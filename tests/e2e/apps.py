@@ -34,6 +34,13 @@ BED_ROUTE = "/sim"
 BED_STALL_TIMEOUT_S = 5
 # Requests on the bed: the CPU config's limits, since its proxies' (90 s) bound every app.
 BED_REQUEST_TIMEOUT_S = 60
+# Serve's health checks of the bed's model replicas (shipped: every 10 s, 30 s timeout, 3
+# failures), so a dead or hung engine's replica is replaced within seconds, not a minute.
+BED_HEALTH_CHECK_PERIOD_S = 2
+BED_HEALTH_CHECK_TIMEOUT_S = 5
+# How long Serve takes at most to replace a failed bed replica: three failed checks, then its
+# drain (the suite's cluster drains for 1 s), with room over what was measured.
+BED_REPLACES_S = 3 * (BED_HEALTH_CHECK_PERIOD_S + BED_HEALTH_CHECK_TIMEOUT_S) + 60
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,9 @@ def bed_application() -> dict[str, Any]:
       replica's queue meets exactly that (the autoscale test sets autoscaling back);
     - the CPU config's time limits (request 60 s, first token 30 s, drain 60 s), since the
       cluster's proxies are the CPU config's (they end any request after 90 s);
-    - ``engine_stall_timeout_s`` 5, so that a hung engine is caught within seconds.
+    - ``engine_stall_timeout_s`` 5, so that a hung engine is caught within seconds;
+    - health checks every 2 s with a 5 s timeout (shipped: 10 s and 30 s), so that Serve
+      replaces a dead engine's replica within seconds.
     """
     application = yaml.safe_load(SIM_CONFIG.read_text())["applications"][0]
     application["name"], application["route_prefix"] = BED_NAME, BED_ROUTE
@@ -93,6 +102,8 @@ def bed_application() -> dict[str, Any]:
     deployment.pop("autoscaling_config")
     deployment["num_replicas"] = 1
     deployment["graceful_shutdown_timeout_s"] = BED_REQUEST_TIMEOUT_S
+    deployment["health_check_period_s"] = BED_HEALTH_CHECK_PERIOD_S
+    deployment["health_check_timeout_s"] = BED_HEALTH_CHECK_TIMEOUT_S
     ingress = application["args"]["ingress"]
     ingress["request_timeout_s"], ingress["first_token_timeout_s"] = BED_REQUEST_TIMEOUT_S, 30
     ingress["deployment"].pop("autoscaling_config")
@@ -106,12 +117,103 @@ def bed_autoscaling() -> dict[str, Any]:
     return copy.deepcopy(model["deployment"]["autoscaling_config"])
 
 
-def suite_config(http_port: int, grpc_port: int, env_vars: dict[str, str]) -> dict[str, Any]:
-    """The serve config the suite runs: the CPU app and the bed, ``env_vars`` added to both."""
+# API keys of the variants that need them (never real keys: the suite's own).
+FLOOD_KEY, LIGHT_KEY = "sk-e2e-flood-6d2a91-0123456789", "sk-e2e-light-1c77f0-0123456789"
+LIMITED_KEYS = ("sk-e2e-requests-9d01be-0123456789", "sk-e2e-tokens-0a7f3c-0123456789")
+REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = 12, 1200
+# The small-queue variant's model replica: it takes TAKES requests at once and QUEUES more waiting.
+TAKES, QUEUES = 2, 2
+# Serve's production drain of a stopping HAProxy-fronted replica (the suite's cluster drains 1 s).
+PRODUCTION_DRAIN_S = 30
+
+
+def variant(name: str, route: str) -> dict[str, Any]:
+    """The bed's application under another name and route."""
+    app = bed_application()
+    app["name"], app["route_prefix"] = name, route
+    return app
+
+
+def with_keys(app: dict[str, Any], keys_file: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    keys_file.write_text("".join(f"{key}\n" for key in keys))
+    app["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    return app
+
+
+def variant_applications(workdir: Path) -> list[dict[str, Any]]:
+    """The bed's variants the suite deploys once, beside the CPU app and the bed, so that no test
+    deploys and restores one around itself (their key files written to ``workdir``):
+
+    - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share);
+    - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
+      rate limiter (test_fair_share);
+    - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
+      to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
+    - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, which the rollout
+      test replaces while streams run (test_rollout);
+    - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
+      (test_direct_streaming);
+    - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing).
+    """
+    keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
+    limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
+    limited["args"]["ingress"]["rate_limits"] = {"max_concurrent_requests": 2}
+    rate_limited = with_keys(variant("glm-rate-limited", "/rate-limited"), workdir / "rate-keys", LIMITED_KEYS)
+    rate_limited["args"]["ingress"]["rate_limits"] = {
+        "requests_per_minute": REQUESTS_PER_MINUTE,
+        "tokens_per_minute": TOKENS_PER_MINUTE,
+    }
+    (model,) = rate_limited["args"]["models"]
+    model["deployment"]["num_replicas"] = 2
+    # The checks' requests share one prompt: picked by load (of two), not kept together by it.
+    model["prefix_routing"]["enabled"] = False
+    rollout = variant("glm-rollout", "/rollout")
+    drain = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(PRODUCTION_DRAIN_S)}
+    rollout.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(drain)
+    direct = variant("direct", "/direct")
+    (model,) = direct["args"]["models"]
+    model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
+    prefix = variant("prefix", "/prefix")
+    (model,) = prefix["args"]["models"]
+    assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix
+    model["deployment"]["num_replicas"] = 2
+    return [keyed, limited, rate_limited, rollout, direct, prefix]
+
+
+QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
+
+
+def quantised_application() -> dict[str, Any]:
+    """``glm-w4a16`` (``/w4a16``): deploy/config.cpu.yaml's application serving the tiny model's
+    4-bit copy with an FP8 KV cache, one replica (test_quantised_serving)."""
+    app = cpu_application()
+    app["name"], app["route_prefix"] = "glm-w4a16", "/w4a16"
+    (model,) = app["args"]["models"]
+    model["engine_args"] |= {
+        "model": QUANTISED_CHECKPOINT,
+        "quantization": "compressed-tensors",
+        "kv_cache_dtype": "fp8",
+    }
+    model["deployment"].pop("autoscaling_config", None)
+    model["deployment"]["num_replicas"] = 1
+    return app
+
+
+# vLLM's CPU engine in the suite's CPU apps runs its model eagerly (vLLM's own switch for its CI)
+# rather than compiled by torch's inductor at each engine start: the same engine and kernels'
+# results, without a C++ build on the suite's two cores at every start.
+CPU_ENGINE_ENV = {"VLLM_CPU_CI_ENV": "1"}
+
+
+def suite_config(http_port: int, grpc_port: int, env_vars: dict[str, str], workdir: Path) -> dict[str, Any]:
+    """The serve config the suite runs: the CPU app, the bed and its variants, ``env_vars`` added to each."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
     config["http_options"]["port"] = http_port
     config["grpc_options"]["port"] = grpc_port
-    config["applications"] = [cpu_application(), bed_application()]
+    cpu_apps = [cpu_application(), quantised_application()]
+    for application in cpu_apps:
+        application.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(CPU_ENGINE_ENV)
+    config["applications"] = [cpu_apps[0], bed_application(), *variant_applications(workdir), cpu_apps[1]]
     for application in config["applications"]:
         application.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
     return config

@@ -1,7 +1,7 @@
-"""A variant of the bed deployed as a third application of the suite's config, for one test module.
+"""A variant of the bed deployed beside the suite's applications for one test module.
 
-``test_direct_streaming.py`` and ``test_relay_path.py`` each prove one data path on the bed's
-application with a small queue, under a name and route of its own, beside the suite's two.
+``test_relay_path.py`` proves the relay path on the ``direct`` variant's application (the bed
+with a small queue) with ``ingress.direct_streaming`` false, under a name and route of its own.
 """
 
 from __future__ import annotations
@@ -20,17 +20,13 @@ from tests.e2e.apps import RunningApp, application
 from tests.e2e.serve_state import DeploymentName, running, serve_deploy, serve_deploy_settled
 from tests.waiting import wait_until
 
-TAKES, QUEUES = 2, 2  # the variant's max_ongoing_requests and max_queued_requests: 4 requests at most
-
 
 def small_queue_variant(sim_app: RunningApp, name: str, route: str, direct_streaming: bool) -> dict[str, Any]:
-    """The bed's application under another name and route, on the given data path, its model
-    replica taking TAKES requests at once and QUEUES more waiting."""
-    app = copy.deepcopy(application(yaml.safe_load(sim_app.config_path.read_text()), sim_app.name))
+    """The ``direct`` variant's application (its model replica taking TAKES requests at once and
+    QUEUES more waiting) under another name and route, on the given data path."""
+    app = copy.deepcopy(application(yaml.safe_load(sim_app.config_path.read_text()), "direct"))
     app["name"], app["route_prefix"] = name, route
     app["args"]["ingress"]["direct_streaming"] = direct_streaming
-    (model,) = app["args"]["models"]
-    model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
     return app
 
 

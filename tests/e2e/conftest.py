@@ -18,20 +18,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import REPO, RunningApp, suite_config
-from tests.e2e.ray_cluster import RayCluster, free_port
+from tests.e2e.apps import BED_NAME, REPO, RunningApp, suite_config
+from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
 from tests.e2e.serve_state import DeploymentName, single_replica
-from tests.e2e.simulation import SimulatedEngines
+from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
 from tests.waiting import wait_until_blocking
-from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 420
 
@@ -115,9 +113,11 @@ def reload_ray_auth_settings() -> None:
 
 
 @pytest.fixture(scope="session")
-def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[tuple[RunningApp, RunningApp]]:
-    """The suite's serve config run as `make serve` runs one: the CPU app and the bed (tests/e2e/apps.py)."""
+def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str, RunningApp]]:
+    """The suite's serve config run as `make serve` runs one: the CPU app, the bed and the bed's
+    variants, each by its application name (tests/e2e/apps.py)."""
     port, grpc_port = free_port(), free_port()
+    workdir = tmp_path_factory.mktemp("serve")
     config = suite_config(
         port,
         grpc_port,
@@ -129,8 +129,8 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[tuple[Run
             # the suite's load adds no spans.
             "OTEL_TRACES_SAMPLER": "parentbased_always_off",
         },
+        workdir,
     )
-    workdir = tmp_path_factory.mktemp("serve")
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = workdir / "serve.log"
@@ -148,19 +148,19 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[tuple[Run
             config_path=config_path,
         )
 
-    apps = (running_app(config["applications"][0]), running_app(config["applications"][1]))
+    apps = {application["name"]: running_app(application) for application in config["applications"]}
     serve_cli = Path(sys.executable).with_name("serve")
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [str(serve_cli), "run", "--address", ray_cluster.address, str(config_path)],
             cwd=REPO,
-            env=os.environ | cluster_env() | ray_cluster.serve_ports,  # as `make serve` runs it
+            env=os.environ | suite_cluster_env() | ray_cluster.serve_ports,  # as `make serve` runs it
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        wait_until_healthy([a.url for a in apps], proc, log_path)
+        wait_until_healthy([a.url for a in apps.values()], proc, log_path)
         yield apps
     finally:
         stop(proc)
@@ -169,13 +169,13 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[tuple[Run
 @pytest.fixture(scope="session")
 def app(serving) -> RunningApp:
     """The CPU app: deploy/config.cpu.yaml, the real vLLM engine on the tiny GLM-4 model."""
-    return serving[0]
+    return serving["glm"]
 
 
 @pytest.fixture(scope="session")
 def sim_app(serving) -> RunningApp:
     """The bed: deploy/config.sim.yaml's application on the simulated engine, under /sim."""
-    return serving[1]
+    return serving[BED_NAME]
 
 
 @pytest.fixture(scope="session")
@@ -210,21 +210,13 @@ async def one_replica(model_deployment) -> DeploymentName:
     return model_deployment
 
 
-@dataclass(frozen=True)
-class Bed:
-    """The bed for one test: its app, its model deployment and that deployment's simulated engines."""
-
-    app: RunningApp
-    model: DeploymentName
-    engines: SimulatedEngines
-
-
 @pytest.fixture
 async def bed(sim_app, cluster) -> Bed:
     """The bed as every test finds it: one model replica, running at the timing model's pace, holding nothing."""
-    model = DeploymentName(sim_app.name, sim_app.model_deployment)
-    engines = SimulatedEngines(model)
-    await single_replica(model)
-    await engines.reset()
-    await engines.wait_until_idle()
-    return Bed(sim_app, model, engines)
+    return await ready_bed(sim_app)
+
+
+@pytest.fixture(scope="session")
+def variants(serving, cluster) -> dict[str, RunningApp]:
+    """The bed's variants (tests/e2e/apps.py, :func:`~tests.e2e.apps.variant_applications`), by name."""
+    return serving

@@ -26,6 +26,25 @@ from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 120
 
+# Ray's metrics export interval in the suite's cluster (production: Ray's default, 10 s). The
+# tests that read metrics wait for an interval or two; they read it from here.
+METRICS_REPORT_S = 2.0
+# Serve's production timers that the suite's cluster shortens, so no test waits on them
+# (deploy/cluster.env and the shipped configs keep the production values):
+SUITE_TIMERS = {
+    # Every HAProxy-fronted replica that stops drains at least this long (Serve's default:
+    # 30 s) so that a load balancer in front can deregister it. Serve's HAProxy retries a
+    # refused connection, so a short drain cuts nothing here; the rollout test keeps the
+    # production value in its own application (it proves no stream is cut while replaced).
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    "RAY_metrics_report_interval_ms": str(int(METRICS_REPORT_S * 1000)),
+}
+
+
+def suite_cluster_env() -> dict[str, str]:
+    """Serve's cluster settings as deploy/cluster.env ships them, with the suite's shorter timers."""
+    return cluster_env() | SUITE_TIMERS
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -124,8 +143,8 @@ class RayCluster:
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
             ],
-            # Serve's cluster settings, as `make serve` starts Ray, on this cluster's own ports.
-            env=os.environ | cluster_env() | self.serve_ports | self.env,
+            # Serve's cluster settings, as `make serve` starts Ray (timers shortened), on this cluster's own ports.
+            env=os.environ | suite_cluster_env() | self.serve_ports | self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -199,7 +218,7 @@ class RayNode:
                 "--dashboard-agent-listen-port",
                 str(free_port()),
             ],
-            env=os.environ | cluster_env() | self.cluster.serve_ports | self.cluster.env,  # as on the head
+            env=os.environ | suite_cluster_env() | self.cluster.serve_ports | self.cluster.env,  # as on the head
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

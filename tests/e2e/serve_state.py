@@ -11,10 +11,7 @@ import asyncio
 import csv
 import io
 import json
-import os
 import pickle
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,19 +42,13 @@ class DeploymentName:
 
 
 async def serve_deploy(config: Path, dashboard_url: str) -> None:
-    """``serve deploy`` the config to the running cluster, as an operator would."""
-    deploy = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("serve")),
-        "deploy",
-        str(config),
-        "--address",
-        dashboard_url,
-        env=os.environ | {"RAY_AUTH_MODE": "token"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    output, _ = await deploy.communicate()
-    assert deploy.returncode == 0, output.decode()
+    """Deploy the config to the running cluster as ``serve deploy`` does, through Ray's own client of
+    Serve's REST API (in this process: no CLI process and Ray import per deploy)."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+    from ray.serve.schema import ServeDeploySchema
+
+    body = ServeDeploySchema.model_validate(yaml.safe_load(config.read_text())).model_dump(exclude_unset=True)
+    await asyncio.to_thread(ServeSubmissionClient(dashboard_url).deploy_applications, body)
 
 
 async def serve_deploy_settled(config: Path, dashboard_url: str, within_s: float = SETTLE_S) -> None:
@@ -131,6 +122,14 @@ async def only_one_running(deployment: DeploymentName) -> bool:
     """Exactly one replica, running, and the deployment healthy: nothing starting or draining."""
     status = await deployment_status(deployment)
     return status is not None and status.status == "HEALTHY" and dict(status.replica_states) == {"RUNNING": 1}
+
+
+async def running_live(deployment: DeploymentName, count: int) -> bool:
+    """Exactly ``count`` replicas, running and alive, and the deployment healthy: nothing starting or draining."""
+    status = await deployment_status(deployment)
+    if status is None or status.status != "HEALTHY" or dict(status.replica_states) != {"RUNNING": count}:
+        return False
+    return len(await live_replicas(deployment)) == count
 
 
 async def serving_alone(deployment: DeploymentName) -> bool:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from serve_app.simulated_engine import switchboard
 from serve_app.simulated_engine.controls import Control, EngineState
-from tests.e2e.serve_state import DeploymentName, live_replicas, ongoing_at
+from tests.e2e.apps import RunningApp
+from tests.e2e.serve_state import SETTLE_S, DeploymentName, live_replicas, ongoing_at, running_live, single_replica
 from tests.waiting import wait_until
 
 
@@ -76,3 +78,27 @@ class SimulatedEngines:
         """Every engine running at the timing model's pace."""
         await self.control_all(Control.RESUME)
         await self.control_all(Control.PACE, 1.0)
+
+
+@dataclass(frozen=True)
+class Bed:
+    """The bed (or a variant of it) for one test: its app, its model deployment and that deployment's
+    simulated engines."""
+
+    app: RunningApp
+    model: DeploymentName
+    engines: SimulatedEngines
+
+
+async def ready_bed(app: RunningApp, replicas: int = 1) -> Bed:
+    """``app`` (the bed or a variant) as every test finds it: its replicas running at the timing
+    model's pace, holding nothing."""
+    model = DeploymentName(app.name, app.model_deployment)
+    engines = SimulatedEngines(model)
+    if replicas == 1:
+        await single_replica(model)
+    else:
+        await wait_until(lambda: running_live(model, replicas), SETTLE_S, f"{model} at {replicas} running replicas")
+    await engines.reset()
+    await engines.wait_until_idle()
+    return Bed(app, model, engines)

@@ -8,14 +8,17 @@ spans to it over the network and it keeps them in memory for the tests.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import threading
-import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+
+from tests.e2e.ray_cluster import METRICS_REPORT_S
+from tests.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -125,21 +128,19 @@ def increase(before: Samples, after: Samples, name: str, **labels: str) -> float
     )
 
 
-REPORT_S = 10.0  # Ray's metrics_report_interval_ms: how often a process's metrics reach the endpoint
-
-
-def settled(url: str, name: str, within_s: float = 60.0) -> Samples:
-    """A scrape after which ``name`` held still for a whole report interval.
+async def settled(url: str, name: str, within_s: float = 60.0) -> Samples:
+    """A scrape after which ``name`` held still for a whole report interval of the suite's cluster.
 
     Earlier tests' traffic is then in it, not reported late into a test's own
-    measurement. The wait is the condition itself: one interval without a change.
+    measurement. The wait is the condition itself: two scrapes an interval apart that agree.
     """
-    deadline = time.monotonic() + within_s
-    samples = scrape(url)
-    while True:
-        time.sleep(REPORT_S + 1)
-        again = scrape(url)
-        if total(again, name) == total(samples, name):
-            return again
-        assert time.monotonic() < deadline, f"{name} still changing after {within_s} s"
-        samples = again
+    previous: Samples | None = None
+
+    async def still() -> Samples | None:
+        nonlocal previous
+        samples = await asyncio.to_thread(scrape, url)
+        steady = previous is not None and total(samples, name) == total(previous, name)
+        previous = samples
+        return samples if steady else None
+
+    return await wait_until(still, within_s, f"{name} holding still", every_s=METRICS_REPORT_S + 0.5)

@@ -25,7 +25,7 @@ import yaml
 from ray.exceptions import ActorDiedError
 
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import application, bed_autoscaling
+from tests.e2e.apps import BED_REPLACES_S, application, bed_autoscaling
 from tests.e2e.bodies import chat
 from tests.e2e.serve_state import (
     SETTLE_S,
@@ -48,7 +48,6 @@ CLIENTS = 128
 TOKENS = 128
 HELD_AT_DEATH = 8  # the failing replica holds at least this many requests when its engine fails
 AFTER_DEATH = 32
-SERVE_REMOVES_S = 180  # health checks (3 x 10 s, 30 s timeout), HAProxy's 30 s drain, and margin
 
 
 def user_client(url: str) -> httpx.AsyncClient:
@@ -144,7 +143,7 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
         # replica died: Serve may stop one as it scales (RAY_KILL), which is no death. Serve's
         # way takes its health checks (the bed's: every 10 s, 30 s timeout) and HAProxy's drain
         # (30 s): 45 to 58 s in the runs seen, so the wait allows for them.
-        reason = await wait_until(victim_left, SERVE_REMOVES_S, "the failed engine's replica gone")
+        reason = await wait_until(victim_left, BED_REPLACES_S, "the failed engine's replica gone")
         print(f"the failed engine's replica left: {reason}")
         assert "WORKER_DIED" not in [await death_reason(survivor) for survivor in survivors]
     finally:

@@ -46,7 +46,7 @@ async def client(app):
 
 async def test_concurrent_streams_each_deliver_every_token(app, client, metrics_url):
     """Each stream delivers every token under its own id; the engine computed them in shared steps."""
-    before = settled(metrics_url, f"{ITERATION_TOKENS}_count")
+    before = await settled(metrics_url, f"{ITERATION_TOKENS}_count")
     body = chat_body(app.model, stream=True, stream_options={"include_usage": True})
     streams = await asyncio.gather(*(post_stream(client, "/v1/chat/completions", body) for _ in range(CONCURRENCY)))
 
@@ -94,7 +94,7 @@ def steps_over(samples: Samples, tokens: int) -> float:
 
 async def test_concurrent_unary_requests_each_complete(app, client, metrics_url):
     """Each answer is complete and its own; the engine computed them in shared steps."""
-    before = settled(metrics_url, f"{ITERATION_TOKENS}_count")
+    before = await settled(metrics_url, f"{ITERATION_TOKENS}_count")
     body = chat_body(app.model)
     responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(CONCURRENCY)))
     ids = set()

@@ -27,12 +27,13 @@ import yaml
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.bodies import LONG, chat
 from tests.e2e.prometheus import Prometheus, prometheus_binary
+from tests.e2e.ray_cluster import METRICS_REPORT_S
 from tests.e2e.streams import open_streams
 from tests.unit.k8s_manifests import DASHBOARD, MONITORING
 from tests.waiting import wait_until
 
 RULES = MONITORING / "prometheus-rules.yaml"
-GAUGE_TTL_S = 20  # two of Ray's 10 s metric export intervals: an unset gauge is dropped after this
+GAUGE_TTL_S = 2 * METRICS_REPORT_S  # two of Ray's export intervals: an unset gauge is dropped after this
 VARIABLES = {"$model": ".*", "$application": ".*", "$__rate_interval": "1m"}
 
 

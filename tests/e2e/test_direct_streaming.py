@@ -1,16 +1,16 @@
 """Direct streaming on the bed's cluster: the model replica answers clients, through Serve's HAProxy.
 
-A third application (``direct``: the bed's application with ``ingress.direct_streaming``,
-under ``/direct``) has no ingress deployment at all: its model deployment is the
+The ``direct`` variant (the bed's application with a small queue, under ``/direct``:
+tests/e2e/apps.py) has no ingress deployment at all: its model deployment is the
 application's ingress and the ReplicaPicker is its ingress request router, so every
 answer here was streamed by a model replica to HAProxy and every POST was routed by the
 picker (HAProxy answers its own 503 page when the picker does not name a replica).
-The replica's front door is the ingress's HTTP app, so what it holds requests to is
-checked here as it is on the relay path: the answers, the errors (every request of the
-hostile table, whose body HAProxy hands the picker first), large bodies, the model list,
-``/health``, the gRPC API, and its own queue bound (429 past it, while ``/health``
-still answers: it never waits behind generation). Prefix-aware routing on this path is
-tests/e2e/test_prefix_routing.py's.
+Checked here: the answers, the errors, a body slower than Serve's default wait, the
+model list, ``/health``, the gRPC API, and the replica's own queue bound (429 past it,
+while ``/health`` still answers: it never waits behind generation). The hostile table and
+large bodies, through the picker too, are test_hostile.py's (the CPU app streams the same way);
+a replica whose engine died passing requests on is proven on ``prefix``'s two replicas;
+prefix-aware routing is tests/e2e/test_prefix_routing.py's.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from ray import serve
 
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.serve_internals import ReplicaEndpoint, pick_replica
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import RunningApp, application
-from tests.e2e.beside_the_bed import QUEUES, TAKES, deployed_beside_the_bed, small_queue_variant
+from tests.e2e.apps import BED_REPLACES_S, QUEUES, TAKES, RunningApp
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import (
@@ -37,14 +35,11 @@ from tests.e2e.serve_state import (
     in_flight,
     request_log_lines,
     running,
-    serve_deploy,
-    serve_deploy_settled,
     serve_replica_id,
 )
-from tests.e2e.simulation import SimulatedEngines
+from tests.e2e.simulation import SimulatedEngines, ready_bed
 from tests.e2e.sse import post_stream
-from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, assert_openai_error, padded
-from tests.hostile_requests import chat as hostile_chat
+from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
 NAME, ROUTE = "direct", "/direct"
@@ -55,12 +50,9 @@ MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
 
 
 @pytest.fixture(scope="module")
-async def direct(
-    sim_app: RunningApp, cluster: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[RunningApp]:
-    variant = small_queue_variant(sim_app, NAME, ROUTE, direct_streaming=True)
-    async with deployed_beside_the_bed(sim_app, cluster, tmp_path_factory.mktemp(NAME), variant, [MODEL]) as app:
-        yield app
+def direct(variants: dict[str, RunningApp]) -> RunningApp:
+    """``direct``: the bed's application with a small queue (tests/e2e/apps.py)."""
+    return variants[NAME]
 
 
 async def test_the_model_replica_is_the_applications_ingress_and_nothing_relays(direct: RunningApp) -> None:
@@ -106,30 +98,6 @@ async def test_bad_requests_get_the_openai_error_that_names_the_problem(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert names in error["message"] or error["param"] == names, error
-
-
-@pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.id)
-async def test_each_hostile_request_gets_its_4xx_from_the_replica_past_the_picker(
-    direct: RunningApp, case: Hostile
-) -> None:
-    """HAProxy hands the body to the picker first (deploy/cluster.env): nothing in it may fail the
-    pick, which HAProxy would answer with its own plain 503."""
-    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
-        response = await client.request(case.method, case.path, content=case.body, headers=case.headers)
-    assert_openai_error(response, case.status, case.param)
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
-async def test_a_large_valid_body_is_answered(direct: RunningApp, stream: bool) -> None:
-    """Read by the picker and checked in the replica's checker process, beside its engine."""
-    body = padded(hostile_chat(model=direct.model, max_tokens=4, min_tokens=4, stream=stream))
-    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
-        response = await client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
-    assert response.status_code == 200, response.text
-    if stream:
-        assert response.text.rstrip().endswith("data: [DONE]") and response.text.count('"content"') >= 1
-    else:
-        assert response.json()["usage"]["completion_tokens"] == 4
 
 
 async def test_a_client_slower_to_send_its_body_than_serves_default_wait_is_answered(direct: RunningApp) -> None:
@@ -213,67 +181,55 @@ FAILOVER_REQUESTS = 16
 
 
 async def test_a_request_that_meets_a_replica_whose_engine_died_is_answered_by_another(
-    direct: RunningApp, cluster: str
+    variants: dict[str, RunningApp],
 ) -> None:
     """A replica whose engine has died stays in HAProxy's and the picker's lists until Serve,
     whose health check of it fails, replaces it. Requests sent meanwhile to its own HTTP port,
     as HAProxy sends those the picker names it for, are not refused: its front door sends each
-    on to the other replica, as the ingress does on the relay path. Every one is answered 200,
-    the dead replica logged each (its request log still written), and Serve replaces it."""
+    on to the other replica. Every one is answered 200, the dead replica logged each (its
+    request log still written), and Serve replaces it. On ``prefix``, the variant with two
+    model replicas."""
     import ray
 
-    config = yaml.safe_load(direct.config_path.read_text())
-    application(config, NAME)["args"]["models"][0]["deployment"]["num_replicas"] = 2
-    two = direct.config_path.with_name("two-replicas.yaml")
-    two.write_text(yaml.safe_dump(config, sort_keys=False))
+    two = await ready_bed(variants["prefix"], replicas=2)
+    app, model, engines = two.app, two.model, two.engines
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
-    try:
-        await serve_deploy(two, cluster)
-        await wait_until(lambda: running(MODEL, 2), 120, "the direct app's two model replicas running")
-        engines = SimulatedEngines(MODEL)
-        chat_handle = serve.get_deployment_handle(MODEL.deployment_name, NAME).options(method_name="chat")
-        endpoint: ReplicaEndpoint = await pick_replica(chat_handle)  # the picker's own call names one
-        by_serve_id = {await serve_replica_id(actor): actor for actor in await engines.replicas()}
-        dead_id = endpoint.replica_id.rsplit("#", 1)[-1]
-        dead = by_serve_id[dead_id]
-        await engines.control(dead, Control.FAIL)
-        # At most TAKES + QUEUES at once, so no replica's own bound refuses any.
-        at_once = asyncio.Semaphore(TAKES + QUEUES)
-        # The replica's own HTTP server listens on http_options.host, as the app's origin does
-        # (Serve names the node's address; on this one-node cluster HAProxy reaches it there).
-        replica_url = f"http://{httpx.URL(direct.origin).host}:{endpoint.port}{ROUTE}"
-        async with httpx.AsyncClient(base_url=replica_url, timeout=60) as client:
+    chat_handle = serve.get_deployment_handle(model.deployment_name, app.name).options(method_name="chat")
+    endpoint: ReplicaEndpoint = await pick_replica(chat_handle)  # the picker's own call names one
+    by_serve_id = {await serve_replica_id(actor): actor for actor in await engines.replicas()}
+    dead_id = endpoint.replica_id.rsplit("#", 1)[-1]
+    dead = by_serve_id[dead_id]
+    await engines.control(dead, Control.FAIL)
+    at_once = asyncio.Semaphore(TAKES + QUEUES)
+    # The replica's own HTTP server listens on http_options.host, as the app's origin does
+    # (Serve names the node's address; on this one-node cluster HAProxy reaches it there).
+    replica_url = f"http://{httpx.URL(app.origin).host}:{endpoint.port}{app.route_prefix}"
+    async with httpx.AsyncClient(base_url=replica_url, timeout=60) as client:
 
-            async def one(i: int) -> tuple[str, httpx.Response]:
-                request_id = f"failover-{dead_id}-{i}"
-                async with at_once:
-                    response = await client.post(
-                        CHAT_PATH, json=chat(direct.model, 4), headers={"X-Request-Id": request_id}
-                    )
-                return request_id, response
+        async def one(i: int) -> tuple[str, httpx.Response]:
+            request_id = f"failover-{dead_id}-{i}"
+            async with at_once:
+                response = await client.post(CHAT_PATH, json=chat(app.model, 4), headers={"X-Request-Id": request_id})
+            return request_id, response
 
-            answers = await asyncio.gather(*(one(i) for i in range(FAILOVER_REQUESTS)))
-        refused = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
-        assert not refused, refused
-        assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
-        sent = [request_id for request_id, _ in answers]
+        answers = await asyncio.gather(*(one(i) for i in range(FAILOVER_REQUESTS)))
+    refused = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
+    assert not refused, refused
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
+    sent = [request_id for request_id, _ in answers]
 
-        async def lines() -> dict[str, Any]:
-            return await asyncio.to_thread(request_log_lines, session_dir, NAME, MODEL.deployment_name, dead_id)
+    async def lines() -> dict[str, Any]:
+        return await asyncio.to_thread(request_log_lines, session_dir, app.name, model.deployment_name, dead_id)
 
-        async def all_logged() -> bool:  # (a line is written as its request's record ends, after the answer)
-            return set(sent) <= set(await lines())
+    async def all_logged() -> bool:  # (a line is written as its request's record ends, after the answer)
+        return set(sent) <= set(await lines())
 
-        await wait_until(all_logged, 30, "the dead replica's log line of every request")
-        logged = await lines()
-        not_200 = {
-            request_id: logged[request_id]["status"] for request_id in sent if logged[request_id]["status"] != 200
-        }
-        assert not not_200, not_200
+    await wait_until(all_logged, 30, "the dead replica's log line of every request")
+    logged = await lines()
+    not_200 = {request_id: logged[request_id]["status"] for request_id in sent if logged[request_id]["status"] != 200}
+    assert not not_200, not_200
 
-        async def replaced() -> bool:
-            return dead not in await engines.replicas() and await running(MODEL, 2)
+    async def replaced() -> bool:
+        return dead not in await engines.replicas() and await running(model, 2)
 
-        await wait_until(replaced, 120, "the dead engine's replica replaced")
-    finally:
-        await serve_deploy_settled(direct.config_path, cluster)  # one replica again, as the module's other tests
+    await wait_until(replaced, BED_REPLACES_S, "the dead engine's replica replaced")

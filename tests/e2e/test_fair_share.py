@@ -1,5 +1,6 @@
-"""Fair share between API keys on the bed (one replica, direct streaming, fair share on as shipped),
-and each key's limit on requests at once.
+"""Fair share between API keys on the bed's variants (one replica, direct streaming, fair share on
+as shipped): ``glm-keyed`` with two keys, ``glm-limited`` with them held to 2 requests at once
+(tests/e2e/apps.py), and each key's limit on requests at once.
 
 Key A's flood fills the replica's batch and queue; key B's one request does not wait behind A's
 waiting requests. The engine is paused while they arrive, so what it holds is exactly what was
@@ -30,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import application
+from tests.e2e.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.bodies import chat
 from tests.e2e.serve_state import (
     DeploymentName,
@@ -40,24 +41,25 @@ from tests.e2e.serve_state import (
     serve_deploy,
     serve_deploy_settled,
 )
+from tests.e2e.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
-FLOOD_KEY, LIGHT_KEY = "sk-e2e-flood-6d2a91-0123456789", "sk-e2e-light-1c77f0-0123456789"
 FLOOD = 160  # more than the replica runs at once (64): 96 wait
 RUNS_AT_ONCE = 64  # the bed's batch (max_num_seqs), and its replica's max_ongoing_requests on the relay path
 FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps
 LIGHT_TOKENS = 8
 
 
-def keyed_config(bed, tmp_path: Path, **ingress: Any) -> Path:
-    """The bed's config with both API keys (and so fair share), and ``ingress`` settings."""
-    keys_file = tmp_path / "api-keys"
-    keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
-    config = yaml.safe_load(bed.app.config_path.read_text())
-    application(config, bed.app.name)["args"]["ingress"] |= {"api_keys": {"file": str(keys_file)}} | ingress
-    keyed = tmp_path / "with-api-keys.yaml"
-    keyed.write_text(yaml.safe_dump(config, sort_keys=False))
-    return keyed
+@pytest.fixture
+async def keyed_bed(variants) -> Bed:
+    """``glm-keyed``: the bed with API keys (and so fair share)."""
+    return await ready_bed(variants["glm-keyed"])
+
+
+@pytest.fixture
+async def limited_bed(variants) -> Bed:
+    """``glm-limited``: the keyed bed, each key held to 2 requests at once by the rate limiter."""
+    return await ready_bed(variants["glm-limited"])
 
 
 @pytest.fixture
@@ -69,11 +71,15 @@ async def restored(bed, cluster):
         await serve_deploy_settled(bed.app.config_path, cluster)
 
 
-@pytest.fixture
-async def keyed_bed(restored, cluster, tmp_path):
-    """The bed with API keys (and so fair share)."""
-    await serve_deploy_settled(keyed_config(restored, tmp_path), cluster)
-    return restored
+def keyed_config(bed, tmp_path: Path, **ingress: Any) -> Path:
+    """The suite's config with the bed given both API keys (and so fair share), and ``ingress`` settings."""
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
+    config = yaml.safe_load(bed.app.config_path.read_text())
+    application(config, bed.app.name)["args"]["ingress"] |= {"api_keys": {"file": str(keys_file)}} | ingress
+    keyed = tmp_path / "with-api-keys.yaml"
+    keyed.write_text(yaml.safe_dump(config, sort_keys=False))
+    return keyed
 
 
 async def streamed(client: httpx.AsyncClient, key: str, tokens: int, model: str) -> tuple[int, float, bool]:
@@ -152,23 +158,28 @@ async def test_on_the_relay_path_a_flood_by_one_key_does_not_make_another_keys_r
 
 
 async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_without_it_by_the_replica(
-    restored, cluster, tmp_path
+    limited_bed, cluster, tmp_path
 ):
-    bed = restored
-    limits = {"max_concurrent_requests": 2}
-    await serve_deploy_settled(keyed_config(bed, tmp_path, rate_limits=limits), cluster)
+    bed = limited_bed
     await _two_at_once_then_refused(bed)
     # The limiter's one replica asks for a resource no node has: it never starts, and each
     # admission gives up on it after 2 s.
     before = set(await bed.engines.replicas())
-    unplaceable = limits | {"deployment": {"ray_actor_options": {"resources": {"nowhere": 1}}}}
-    await serve_deploy(keyed_config(bed, tmp_path, rate_limits=unplaceable), cluster)
+    config = yaml.safe_load(bed.app.config_path.read_text())
+    ingress = application(config, bed.app.name)["args"]["ingress"]
+    ingress["rate_limits"]["deployment"] = {"ray_actor_options": {"resources": {"nowhere": 1}}}
+    unplaceable = tmp_path / "limiter-unplaceable.yaml"
+    unplaceable.write_text(yaml.safe_dump(config, sort_keys=False))
+    await serve_deploy(unplaceable, cluster)
+    try:
 
-    async def replaced() -> bool:
-        return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before
+        async def replaced() -> bool:
+            return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before
 
-    await wait_until(replaced, 120, "the model replica replaced, the limiter left pending")
-    await _two_at_once_then_refused(bed)
+        await wait_until(replaced, 120, "the model replica replaced, the limiter left pending")
+        await _two_at_once_then_refused(bed)
+    finally:
+        await serve_deploy_settled(bed.app.config_path, cluster)  # the limiter placed again
 
 
 async def _two_at_once_then_refused(bed) -> None:

@@ -25,7 +25,7 @@ import ray
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.observability import metrics
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import BED_STALL_TIMEOUT_S, RunningApp
+from tests.e2e.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import Call, channel, ends_once
 from tests.e2e.serve_state import death_reason, replica_engines, request_log_lines, single_replica
@@ -168,7 +168,7 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
     assert engine_failures(metrics_url, app) - counted_before == failed
     print(f"{failed} requests held by the failed engine each got one engine_failed error")
     print(f"answers resumed {await seconds_until_answers_resume(app):.1f} s after the engine died")
-    await wait_until(lambda: left(replica, app), 60, "the failed engine's replica gone")
+    await wait_until(lambda: left(replica, app), BED_REPLACES_S, "the failed engine's replica gone")
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
@@ -205,7 +205,8 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     slowest = max(s.ended_at for s in streams + waiting) - hung_at[0]
     print(f"every request ended {slowest:.1f} s after the engine hung (engine_stall_timeout_s {BED_STALL_TIMEOUT_S})")
 
-    await wait_until(lambda: left(replica, app), 60, "the hung replica gone")  # after its calls' errors went out
+    # (after its calls' errors went out)
+    await wait_until(lambda: left(replica, app), BED_REPLACES_S, "the hung replica gone")
     print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
 
 

@@ -125,7 +125,7 @@ async def test_abandoned_streams_leave_the_engine_and_are_counted_as_aborted(bed
     streams cannot end by themselves meanwhile (900 tokens take a minute)."""
     app = bed.app
     labels = {"application": app.name, "model": app.model}
-    samples_before = settled(metrics_url, f"ray_{metrics.ABORTED}_total")
+    samples_before = await settled(metrics_url, f"ray_{metrics.ABORTED}_total")
     await bed.engines.control_all(Control.PACE, 10.0)
     async with httpx.AsyncClient(base_url=app.url, timeout=120, limits=httpx.Limits(max_connections=64)) as client:
         async with open_streams(client, chat(app.model, LONG, stream=True), STREAMS):

@@ -38,7 +38,7 @@ def serving(samples, name: str, app, **labels: str) -> float:
 
 async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
     """The counts grow by exactly what was sent; the gauges come back to 0; vLLM's metrics are there per replica."""
-    before = settled(metrics_url, f"ray_{metrics.REQUESTS}_total")  # earlier tests' requests all reported
+    before = await settled(metrics_url, f"ray_{metrics.REQUESTS}_total")  # earlier tests' requests all reported
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
         streams = [client.post("/v1/chat/completions", json=body(app.model, stream=True)) for _ in range(STREAMS)]
         responses = await asyncio.gather(*streams, client.post("/v1/chat/completions", json=body(app.model)))
@@ -111,7 +111,7 @@ async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(
 async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(app, metrics_url, otlp_collector):
     """The same record: counters and histograms under protocol="grpc", the request's log line, and a span
     in the client's trace (``traceparent`` metadata) with the replica's span under it."""
-    before = settled(metrics_url, f"ray_{metrics.REQUESTS}_total")
+    before = await settled(metrics_url, f"ray_{metrics.REQUESTS}_total")
     trace_id, client_span, request_id = secrets.token_hex(16), secrets.token_hex(8), uuid.uuid4().hex
     metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"), ("request_id", request_id))
     request = grpc_chat(app.model, TOKENS, content="Count to twenty.")

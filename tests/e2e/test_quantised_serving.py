@@ -1,7 +1,7 @@
 """Quantised serving on vLLM's CPU engine: 4-bit weights and an FP8 KV cache, for real.
 
-A third application (``glm-w4a16`` under ``/w4a16``: the CPU app with the shape of
-deploy/config.w4a16.yaml) serves ``models/tiny-glm4-w4a16``, the tiny model's 4-bit copy
+The suite's ``glm-w4a16`` application (under ``/w4a16``: the CPU app with the shape of
+deploy/config.w4a16.yaml, tests/e2e/apps.py) serves ``models/tiny-glm4-w4a16``, the tiny model's 4-bit copy
 written by serve_app/glm4/quantise_w4a16.py (compressed-tensors W4A16, which vLLM's CPU engine runs
 with its CPUWNA16 kernels and a GPU with Marlin), with ``kv_cache_dtype: fp8``. FP8 weights
 do not run on vLLM's CPU build (its FP8 quantisation kernels are CUDA's); their timing is the
@@ -11,46 +11,26 @@ simulated engine's (docs/performance.md).
 from __future__ import annotations
 
 import asyncio
-import copy
-from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
 
 from serve_app.observability.engine_metrics import ENGINE_INFO
-from tests.e2e.apps import REPO, RunningApp, cpu_application
-from tests.e2e.beside_the_bed import deployed_beside_the_bed
+from tests.e2e.apps import QUANTISED_CHECKPOINT, REPO, RunningApp
 from tests.e2e.bodies import chat
 from tests.e2e.serve_state import DeploymentName
 from tests.e2e.sse import post_stream
 from tests.e2e.telemetry import scrape, total
 from tests.waiting import wait_until
 
-NAME, ROUTE = "glm-w4a16", "/w4a16"
-CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
+NAME = "glm-w4a16"
 MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
 
 
-def quantised_application() -> dict[str, Any]:
-    """deploy/config.cpu.yaml's application serving the 4-bit checkpoint with an FP8 KV cache."""
-    application = copy.deepcopy(cpu_application())
-    application["name"], application["route_prefix"] = NAME, ROUTE
-    (model,) = application["args"]["models"]
-    model["engine_args"] |= {"model": CHECKPOINT, "quantization": "compressed-tensors", "kv_cache_dtype": "fp8"}
-    model["deployment"].pop("autoscaling_config", None)
-    model["deployment"]["num_replicas"] = 1
-    return application
-
-
 @pytest.fixture(scope="module")
-async def quantised(
-    sim_app: RunningApp, cluster: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[RunningApp]:
-    assert (REPO / CHECKPOINT / "config.json").exists(), "run `make tiny-model`"
-    variant = quantised_application()
-    async with deployed_beside_the_bed(sim_app, cluster, tmp_path_factory.mktemp(NAME), variant, [MODEL]) as app:
-        yield app
+def quantised(variants: dict[str, RunningApp]) -> RunningApp:
+    assert (REPO / QUANTISED_CHECKPOINT / "config.json").exists(), "run `make tiny-model`"
+    return variants[NAME]
 
 
 async def test_the_4_bit_model_answers_with_exactly_the_tokens_asked_for(quantised: RunningApp) -> None:

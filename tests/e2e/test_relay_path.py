@@ -24,8 +24,8 @@ from ray import serve
 
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import RunningApp
-from tests.e2e.beside_the_bed import QUEUES, TAKES, deployed_beside_the_bed, small_queue_variant
+from tests.e2e.apps import QUEUES, TAKES, RunningApp
+from tests.e2e.beside_the_bed import deployed_beside_the_bed, small_queue_variant
 from tests.e2e.bodies import LONG, chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import (

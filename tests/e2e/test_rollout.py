@@ -1,12 +1,13 @@
-"""Rolling config changes on the bed: an operator turns API keys on, then per-key limits.
+"""Rolling config changes on the bed's variants (tests/e2e/apps.py): an operator turns API keys on,
+and per-key limits hold across replicas.
 
-Changing the application's arguments replaces every replica. Streams from clients
-that already send their key flow through the replacement and complete in full;
-afterwards every ``/v1/*`` request needs a key, ``/health`` does not, a rotated
-key file takes effect without a restart, and no key is ever written to a log.
-Then per-key rate limits go on with two replicas answering clients (ingress replicas;
-with direct streaming, model replicas), which together admit exactly the configured rate.
-Each test deploys the bed as it was when it ends.
+On ``glm-rollout`` (the bed with Serve's production drain of a stopping replica), changing the
+application's arguments replaces every replica. Streams from clients that already send their
+key flow through the replacement and complete in full; afterwards every ``/v1/*`` request needs
+a key, ``/health`` does not, a rotated key file takes effect without a restart, and no key is
+ever written to a log. The application is the test's own: it stays keyed.
+On ``glm-rate-limited``, per-key rate limits are on with two model replicas answering clients,
+which together admit exactly the configured rate.
 """
 
 from __future__ import annotations
@@ -25,47 +26,40 @@ import ray
 import yaml
 
 from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.apps import application
+from tests.e2e.apps import LIMITED_KEYS, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, application
 from tests.e2e.bodies import chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel
 from tests.e2e.serve_state import (
     DeploymentName,
     only_one_running,
     replica_states,
-    running,
     serve_deploy,
     serve_deploy_settled,
 )
+from tests.e2e.simulation import ready_bed
 from tests.e2e.sse import post_stream
 from tests.waiting import wait_until
 
 KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
 ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
-LIMITED = (
-    "sk-e2e-requests-9d01be-0123456789",
-    "sk-e2e-tokens-0a7f3c-0123456789",
-)  # one key per limit, so each starts full
-REQUESTS_PER_MINUTE = 12
-TOKENS_PER_MINUTE = 1200
 
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.fixture
-async def restored(bed, cluster):
-    """The bed; deployed again as it was once the test ends."""
-    yield bed
-    await serve_deploy_settled(bed.app.config_path, cluster)
-
-
-async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(restored, cluster, tmp_path):
-    app, model = restored.app, restored.model
+async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, cluster, tmp_path):
+    rollout = await ready_bed(variants["glm-rollout"])
+    app, model = rollout.app, rollout.model
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("\n".join(KEYS) + "\n")
     config = yaml.safe_load(app.config_path.read_text())
-    application(config, app.name)["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    keyed_app = application(config, app.name)
+    keyed_app["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
+    # The replica being replaced drains for Serve's production period (what this test proves no
+    # stream is cut through); its replacement drains as the suite's cluster does, so that putting
+    # the application back afterwards waits on no production timer.
+    keyed_app["runtime_env"]["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
     keyed = tmp_path / "with-api-keys.yaml"
     keyed.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -96,11 +90,14 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(restored, 
     print(f"rolled out in {took:.0f} s; {len(results)} streams ran through it")
     assert results and not incomplete, f"{len(incomplete)} of {len(results)} streams were cut: {incomplete[:5]}"
 
-    await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
-    _check_keys_are_required(app)
-    await _check_grpc_calls_need_a_key(app)
-    await _check_rotation(app, keys_file)
-    _check_no_key_is_logged(app)
+    try:
+        await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
+        _check_keys_are_required(app)
+        await _check_grpc_calls_need_a_key(app)
+        await _check_rotation(app, keys_file)
+        _check_no_key_is_logged(app)
+    finally:
+        await serve_deploy_settled(app.config_path, cluster)  # the application without keys again
 
 
 def _check_keys_are_required(app) -> None:
@@ -188,33 +185,11 @@ async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
 
 
-async def test_two_replicas_answering_clients_together_enforce_each_keys_rate_limits(restored, cluster, tmp_path):
-    """Two replicas answer clients (two ingress replicas; with direct streaming two model
-    replicas, each its own front door) and a key's limits hold across both."""
-    app, model = restored.app, restored.model
-    keys_file = tmp_path / "api-keys"
-    keys_file.write_text("\n".join(LIMITED) + "\n")
-    config = yaml.safe_load(app.config_path.read_text())
-    args = application(config, app.name)["args"]
-    ingress = args["ingress"]
-    ingress["api_keys"] = {"file": str(keys_file)}
-    ingress["rate_limits"] = {"requests_per_minute": REQUESTS_PER_MINUTE, "tokens_per_minute": TOKENS_PER_MINUTE}
-    if app.direct_streaming:
-        (model_config,) = args["models"]
-        model_config["deployment"]["num_replicas"] = 2
-        # The checks' requests share one prompt: picked by load (of two), not kept together by it.
-        model_config["prefix_routing"]["enabled"] = False
-        answering = model
-    else:
-        ingress["deployment"]["num_replicas"] = 2
-        answering = DeploymentName(app.name, "Ingress")
-    limited = tmp_path / "with-rate-limits.yaml"
-    limited.write_text(yaml.safe_dump(config, sort_keys=False))
-    # Settled: no replica of the config before is left to take requests (with direct streaming
-    # HAProxy balances GETs itself, so a key accepted once proves nothing of the rest).
-    await serve_deploy_settled(limited, cluster)
-    await wait_until(lambda: running(answering, 2), 60, f"running two {answering.deployment_name} replicas")
-    assert await _accepts(app.url, LIMITED[0])
+async def test_two_replicas_answering_clients_together_enforce_each_keys_rate_limits(variants):
+    """Two model replicas answer clients, each its own front door, and a key's limits hold across both."""
+    limited = await ready_bed(variants["glm-rate-limited"], replicas=2)
+    app, answering = limited.app, limited.model
+    assert await _accepts(app.url, LIMITED_KEYS[0])
 
     await _check_requests_per_minute(app, answering)
     await _check_tokens_per_minute(app)
@@ -224,7 +199,7 @@ async def _check_requests_per_minute(app, answering: DeploymentName) -> None:
     """Sent at once through both answering replicas, twice the limit: the limit gets through, plus
     what the key's bucket refilled while they were answered (a minute's worth, refilling
     continuously: configuration.md), and no more (each replica alone would admit the whole limit)."""
-    key = bearer(LIMITED[0])
+    key = bearer(LIMITED_KEYS[0])
     started = time.monotonic()
     request_ids = [f"rate-limit-check-{uuid.uuid4()}" for _ in range(2 * REQUESTS_PER_MINUTE)]
 
@@ -260,7 +235,7 @@ async def _check_tokens_per_minute(app) -> None:
     """Streams are charged the tokens they used (without sending the client a usage chunk it
     did not ask for), and once a minute's tokens are spent the key waits."""
     tokens_each = 300
-    async with httpx.AsyncClient(base_url=app.url, timeout=120, headers=bearer(LIMITED[1])) as client:
+    async with httpx.AsyncClient(base_url=app.url, timeout=120, headers=bearer(LIMITED_KEYS[1])) as client:
         admitted, started = 0, time.monotonic()
         while True:
             stream = await post_stream(client, "/v1/chat/completions", chat(app.model, tokens_each, stream=True))
@@ -280,6 +255,6 @@ async def _check_tokens_per_minute(app) -> None:
     assert retry_after >= 1
     await asyncio.sleep(retry_after)  # what the server told the client to do
     response = httpx.post(
-        f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=bearer(LIMITED[1]), timeout=60
+        f"{app.url}/v1/chat/completions", json=chat(app.model, 1), headers=bearer(LIMITED_KEYS[1]), timeout=60
     )
     assert response.status_code == 200, response.text

@@ -242,7 +242,7 @@ async def test_the_simulated_app_says_it_is_simulated(four_replicas):
 async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(four_replicas, metrics_url):
     limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
     lengths = [32 + i % 97 for i in range(STREAMS)]
-    before = settled(metrics_url, "ray_serve_deployment_request_counter_total")  # earlier requests all reported
+    before = await settled(metrics_url, "ray_serve_deployment_request_counter_total")  # earlier requests all reported
     async with httpx.AsyncClient(base_url=four_replicas.url, timeout=300, limits=limits) as client:
         streams = await asyncio.gather(
             *(
