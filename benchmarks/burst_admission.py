@@ -3,7 +3,7 @@
     python -m benchmarks.burst_admission --config deploy/config.sim.yaml --hold-tokens 4000 --burst 800
     python -m benchmarks.burst_admission --haproxy ...   # Serve's HAProxy and throughput mode
 
-Starts this app with one model and one ingress replica (``benchmarks.servers.this_app``),
+Starts this app with one model replica (``benchmarks.servers.this_app``),
 opens one long stream per engine slot and waits until each has its first token, then sends
 ``--burst`` short requests at once. Reports how many were refused (429) and when, from the
 burst's start, and when the last answer came. With ``--haproxy`` Ray starts with

@@ -1,7 +1,7 @@
 """One key floods, another sends one request at a time: the light key's first tokens, flood or not.
 
     python -m benchmarks.fair_share --config deploy/config.sim.yaml
-    python -m benchmarks.fair_share --config deploy/config.sim.yaml --no-fair-share --relay
+    python -m benchmarks.fair_share --config deploy/config.sim.yaml --no-fair-share
 
 Starts this app with one model replica (``benchmarks.servers.this_app``) and two API keys. Key
 B first sends ``--light-requests`` streams one after another alone; then key A keeps
@@ -9,8 +9,7 @@ B first sends ``--light-requests`` streams one after another alone; then key A k
 refused one is sent again after its ``Retry-After``), and once A's first refusal came, or
 ``--settle-s`` passed, key B sends the same requests again. Reports B's time to first token
 (p50, p99) alone and under the flood, A's TTFT p99 and what A's requests got (status counts).
-``--no-fair-share`` sets ``ingress.fair_share: false``; ``--relay`` answers through ingress
-replicas (``ingress.direct_streaming: false``), where fair share applies to Serve's queue in the ingress.
+``--no-fair-share`` sets ``ingress.fair_share: false``.
 
 Key B's client runs in a process of its own, with httpx. The flood's streams are plain HTTP/1.1
 on sockets, their bodies read in blocks and not parsed (:func:`raw_stream`): with httpx the
@@ -55,11 +54,11 @@ def percentile(values: list[float], p: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))], 1)
 
 
-def with_keys(config_path: Path, keys_file: Path, fair_share: bool, direct: bool) -> None:
-    """Give the config ``servers.this_app`` wrote the two keys, and the chosen fair share and data path."""
+def with_keys(config_path: Path, keys_file: Path, fair_share: bool) -> None:
+    """Give the config ``servers.this_app`` wrote the two keys, and the chosen fair share."""
     config = yaml.safe_load(config_path.read_text())
     ingress = config["applications"][0]["args"]["ingress"]
-    ingress |= {"api_keys": {"file": str(keys_file)}, "fair_share": fair_share, "direct_streaming": direct}
+    ingress |= {"api_keys": {"file": str(keys_file)}, "fair_share": fair_share}
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -192,7 +191,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--light-tokens", type=int, default=16)
     parser.add_argument("--settle-s", type=float, default=60.0, help="longest wait for the flood's first 429")
     parser.add_argument("--no-fair-share", dest="fair_share", action="store_false")
-    parser.add_argument("--relay", dest="direct", action="store_false", help="answers through ingress replicas")
     return parser.parse_args(argv)
 
 
@@ -204,12 +202,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         keys_file = Path(workdir) / "api-keys"
         keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
         server = servers.this_app(config, None, Path(workdir), REPO)
-        with_keys(Path(workdir) / "serve_config.yaml", keys_file, args.fair_share, args.direct)
+        with_keys(Path(workdir) / "serve_config.yaml", keys_file, args.fair_share)
         with servers.running(server, Path(workdir) / "serve.log"):
             result = asyncio.run(measure(server.url, model, args))
     result = {
         "config": str(args.config),
-        "data_path": "direct" if args.direct else "relay",
         "fair_share": args.fair_share,
         "flood": args.flood,
     } | result

@@ -104,8 +104,7 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
         pinned["grpc_options"] = dict(config["grpc_options"], port=grpc_port)
     app = dict(application, args=dict(application["args"]))
     app["args"]["models"] = [pin_one_replica(entry)]
-    ingress = {k: v for k, v in (app["args"].get("ingress") or {}).items() if k != "api_keys"}
-    app["args"]["ingress"] = pin_one_replica(ingress)
+    app["args"]["ingress"] = {k: v for k, v in (app["args"].get("ingress") or {}).items() if k != "api_keys"}
     pinned["applications"] = [app]
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(pinned, sort_keys=False))

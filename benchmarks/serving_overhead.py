@@ -7,12 +7,12 @@ so what differs between the two sides is the serving layer. One at a time, alone
 
 1. vLLM's OpenAI API server, built as vLLM builds it (its FastAPI app and ``init_app_state``
    under uvicorn, one process) on the simulated engine (``benchmarks.vllm_frontend``);
-2. this app (``serve run``) with one model replica and one ingress replica, no API keys.
+2. this app (``serve run``) with one model replica, no API keys.
 
 Each at 1, 16, 64 and 256 concurrent streams (32 prompt tokens, 256 output tokens): time to
 first token p50/p99, time per output token p50, gaps between chunks p50/p99, end-to-end
 p50, delivered tokens/s against what the timing model allows, and CPU seconds per 1,000
-delivered tokens of every process of the side (read from the OS: Serve proxy, ingress replica,
+delivered tokens of every process of the side (read from the OS: Serve proxy, replica picker,
 model replica, controller, Ray's daemons; vLLM's one process), plus the load client's own.
 Prints a table and the goals of issue 22, writes JSON and a PNG.
 
@@ -57,7 +57,7 @@ def process_role(process: psutil.Process) -> str:
     if "ServeReplica" in command:
         if ":ReplicaPicker" in command or ":LLMRouter" in command:  # direct streaming: HAProxy asks it
             return "replica picker"
-        return "ingress replica" if ":Ingress" in command else "model replica"
+        return "model replica"
     if "ProxyActor" in command:
         return "Serve proxy"
     if "haproxy" in process.name():  # RAY_SERVE_ENABLE_HA_PROXY: Serve's HAProxy in place of the proxy's HTTP

@@ -26,9 +26,10 @@ from serve_app.structured_outputs import with_grammar_backend
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
-INGRESS_MAX_QUEUED_REQUESTS = 1024
-# Direct streaming: requests a model replica takes past its generation limit (health, model list).
+# Requests a model replica takes past its generation limit (health, model list).
 DIRECT_REQUESTS_HEADROOM = 64
+# Keys of the relay path (an ingress deployment relaying answers), retired: a config that sets one is refused.
+RETIRED_INGRESS_KEYS = ("direct_streaming", "deployment")
 
 
 class _Strict(BaseModel):
@@ -219,7 +220,7 @@ class PrefixRoutingConfig(_Strict):
     max_blocks: int = Field(
         default=200_000,
         ge=1,
-        description="Blocks the router remembers in each ingress replica (least recently used forgotten first).",
+        description="Blocks the router remembers in each picker replica (least recently used forgotten first).",
     )
 
     def router_config(self, model: str, chat_template: str | None) -> dict[str, Any]:
@@ -460,8 +461,7 @@ class ModelConfig(_Strict):
         """Deployment options with the defaults this application relies on.
 
         ``max_ongoing_requests`` defaults to ``max_num_seqs``: a replica then
-        admits exactly as many requests as its engine batches at once, and the
-        rest wait in Serve's queue, where the autoscaler sees them.
+        runs as many requests as its engine batches at once (the autoscaler's unit).
         ``graceful_shutdown_timeout_s`` defaults to the longest answer allowed, so
         a replica being removed finishes every stream it has.
         """
@@ -477,7 +477,7 @@ class ModelConfig(_Strict):
         return options
 
     def generation_limit(self) -> int | None:
-        """With direct streaming, most generation requests one replica holds: what it takes at once
+        """Most generation requests one replica holds: what it runs at once
         and what may wait for it (None: unbounded, as Serve's max_queued_requests of -1)."""
         options = self.resolved_deployment()
         queued = options.get("max_queued_requests", -1)
@@ -492,7 +492,7 @@ class ModelConfig(_Strict):
         return self.model_copy(update={"engine_args": self.engine_args | {"scheduling_policy": "priority"}})
 
     def resolved_direct_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
-        """Deployment options when the replicas answer clients themselves (direct streaming).
+        """Deployment options of the model replicas, which answer clients themselves.
 
         Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
         generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the
@@ -547,7 +547,7 @@ class CORSConfig(_Strict):
 
 
 class RateLimitsConfig(_Strict):
-    """Limits every API key gets, enforced together by all ingress replicas; set at least one.
+    """Limits every API key gets, enforced together by all model replicas; set at least one.
 
     Each is a token bucket that holds a minute's worth and refills continuously, so
     a key may burst up to its limit and then sustain it. Tokens are prompt plus
@@ -602,20 +602,10 @@ class PromptLogprobsConfig(_Strict):
 
 
 class IngressConfig(_Strict):
-    """The HTTP ingress: limits it enforces and its own Serve deployment options."""
+    """The front door every model replica runs for its clients (HTTP and gRPC): the limits it enforces."""
 
     rate_limits: RateLimitsConfig | None = Field(
         default=None, description="Per-API-key limits (429 with Retry-After past them); needs api_keys."
-    )
-
-    direct_streaming: bool = Field(
-        default=False,
-        description="Answers stream from the model replica to the client through Serve's HAProxy, not "
-        "through an ingress replica: each model replica runs this ingress's HTTP app itself, and a "
-        "replica-picker deployment chooses the replica for each request. Needs Serve's HAProxy and "
-        "exactly one model; ingress.deployment is then unused. On in every shipped config; false "
-        "relays answers through ingress replicas, for several models in one application "
-        "(docs/architecture.md, record 14).",
     )
 
     cors: CORSConfig | None = Field(default=None, description="Off unless set: no CORS headers are sent.")
@@ -711,8 +701,7 @@ class IngressConfig(_Strict):
     fair_share: bool = Field(
         default=True,
         description="Each API key's requests are counted where they wait: waiting requests are served by "
-        "how many their key holds there (vLLM's priority scheduling, set on the engine; on the relay path "
-        "also Serve's queue in the ingress, by the model deployment's request router), and the last places "
+        "how many their key holds there (vLLM's priority scheduling, set on the engine), and the last places "
         "(one batch's worth: at most half of max_queued_requests) go only to keys holding fewer than their "
         "part of them; a key refused for that gets 429 fair_share_exceeded. So one key's flood neither "
         "delays another key's request past about one slot's turnover nor gets it refused "
@@ -742,7 +731,7 @@ class IngressConfig(_Strict):
     )
     log_requests: bool = Field(
         default=True,
-        description="One JSON line per generation request in the ingress replica's log "
+        description="One JSON line per generation request in the log of the model replica that answered it "
         "(id, model, status, tokens, time to first token, duration).",
     )
     log_content: bool = Field(
@@ -750,29 +739,24 @@ class IngressConfig(_Strict):
         description="Also put each request's messages or prompt, and its completion, in that line. "
         "They are users' data: off unless you need them.",
     )
-    deployment: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Ray Serve options of the ingress deployment (autoscaling_config, ...); "
-        "graceful_shutdown_timeout_s defaults to request_timeout_s, max_queued_requests to 1024.",
-    )
 
-    @field_validator("deployment")
+    @model_validator(mode="before")
     @classmethod
-    def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return validate_deployment_options(value)
+    def _no_relay_keys(cls, data: Any) -> Any:
+        """Keys of the relay path, retired (docs/architecture.md, record 18): named, not 'extra inputs'."""
+        if isinstance(data, dict):
+            for key in RETIRED_INGRESS_KEYS:
+                if key in data:
+                    raise ValueError(
+                        f"ingress.{key} is no longer read: answers always stream from the model replica, and "
+                        "the ingress deployment it configured is gone (docs/architecture.md, record 18); remove it"
+                    )
+        return data
 
     @property
     def applies_fair_share(self) -> bool:
         """Whether places are shared fairly between API keys: fair_share, with keys to tell tenants apart."""
         return self.fair_share and self.api_keys is not None
-
-    def resolved_deployment(self) -> dict[str, Any]:
-        """Deployment options; an ingress replica being replaced drains its streams too."""
-        options = dict(self.deployment)
-        options.setdefault("graceful_shutdown_timeout_s", self.request_timeout_s)
-        # Past this many requests waiting for an ingress replica, Serve's proxy answers 503 at once.
-        options.setdefault("max_queued_requests", INGRESS_MAX_QUEUED_REQUESTS)
-        return options
 
 
 class AppConfig(_Strict):
@@ -793,9 +777,12 @@ class AppConfig(_Strict):
         return models
 
     @model_validator(mode="after")
-    def _direct_streaming_serves_one_model(self) -> AppConfig:
-        if self.ingress.direct_streaming and len(self.models) != 1:
-            raise ValueError("ingress.direct_streaming serves exactly one model: give each model its own application")
+    def _one_model(self) -> AppConfig:
+        if len(self.models) != 1:
+            raise ValueError(
+                f"models lists {len(self.models)}: an application serves exactly one model (its replicas "
+                "answer clients themselves); give each model its own application"
+            )
         return self
 
     @model_validator(mode="after")
@@ -845,7 +832,6 @@ class AppConfig(_Strict):
     def _drain_outlasts_answers(self) -> AppConfig:
         limit = self.ingress.request_timeout_s
         deployments = {f"models.{i}": m.deployment for i, m in enumerate(self.models)}
-        deployments["ingress"] = self.ingress.deployment
         for where, options in deployments.items():
             drain = options.get("graceful_shutdown_timeout_s")
             if drain is not None and drain < limit:

@@ -124,6 +124,5 @@ def sse_error_event(status: int, message: str, code: str | None = None) -> bytes
 
 
 def overloaded() -> APIError:
-    """The 429 for a request that no replica can take or queue now (either path: Serve's queue is
-    full on the relay path; a model replica's own count with direct streaming)."""
+    """The 429 for a request that its replica can neither take nor queue now (the replica's own count)."""
     return APIError(429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"})

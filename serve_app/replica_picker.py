@@ -1,12 +1,11 @@
-"""ReplicaPicker: with direct streaming, the deployment HAProxy asks which model replica takes a request.
+"""ReplicaPicker: the deployment HAProxy asks which model replica takes a request. Runs in its own replicas.
 
 For each generation request, Serve's HAProxy posts the request's body to one
 ReplicaPicker replica (``/internal/route``, round robin over them), then forwards
 the client's connection to the model replica it names; the answer streams from that
 replica to HAProxy to the client and never passes through here. The pick is the
 model deployment's own request router (prefix-aware routing when the model turns it
-on, else Serve's power of two choices), run here as it runs in the ingress on the
-relay path.
+on, else Serve's power of two choices), run here for HAProxy.
 
 It refuses nothing: HAProxy turns any answer but 200 into its own 503 page, which is
 not an OpenAI error. A body that is not JSON (or nests too deep to parse), or names no

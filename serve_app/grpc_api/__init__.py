@@ -2,5 +2,5 @@
 
 ``generation_pb2*`` are generated (``make proto``); :mod:`.messages` converts
 between its messages and the HTTP API's JSON; :mod:`.service` answers the calls
-in the ingress deployment.
+in the model replica.
 """

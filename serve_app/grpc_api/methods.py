@@ -1,9 +1,8 @@
 """GenerationMethods: the gRPC API's methods, as Serve calls them on the deployment that answers clients.
 
 Serve's gRPC proxy (or with HAProxy, the replica's own gRPC server) calls the
-deployment method named as the RPC, with a copy of its context. Both deployments
-that answer clients have them: the Ingress on the relay path, the model replica
-with direct streaming. Each holds a :class:`~serve_app.grpc_api.service.GenerationService`
+deployment method named as the RPC, with a copy of its context: the model replica,
+which answers clients, has them. It holds a :class:`~serve_app.grpc_api.service.GenerationService`
 as ``self.grpc``; these methods only hand calls to it.
 """
 

@@ -1,8 +1,8 @@
-"""The gRPC front door: ``glm4serve.v1.Generation`` and ``grpc.health.v1.Health``, answered in the ingress.
+"""The gRPC front door: ``glm4serve.v1.Generation`` and ``grpc.health.v1.Health``, answered in the model replica.
 
 Ray Serve's gRPC proxy receives each call and hands it, with a copy of its
-metadata, to the ingress deployment's method of the same name
-(:class:`serve_app.ingress.deployment.Ingress`), which runs :class:`GenerationService`.
+metadata, to the model deployment's method of the same name
+(:class:`serve_app.replica.front_door.DirectModelServer`), which runs :class:`GenerationService`.
 A call goes the way an HTTP request goes: API key, validation by the same code
 (:mod:`serve_app.ingress.admission`), rate limits, a replica through
 :func:`~serve_app.ingress.replica_client.call_replica`, its stream read by
@@ -161,7 +161,7 @@ class GenerationService:
                 yield self._end(record, writer, context, _error_of_reply(first))
                 return
             error: APIError | None = None
-            # The relay's stream ends after an error event, once it has read the replica's outcome.
+            # The stream ends after an error event, once it has read the engine's outcome.
             async with aclosing(stream_sse(first, rest, deadline, record, admitted.on_tokens)) as chunks:
                 async for chunk in chunks:
                     if record.first_byte_at is None:

@@ -1,7 +1,7 @@
-"""Runs in the ingress deployment's replicas: HTTP, validation, routing, calling model replicas.
+"""The front door, run inside each model replica (serve_app.replica.front_door): HTTP, validation, admission.
 
-``deployment`` is the Serve deployment; ``routes`` its Starlette app;
-``replica_client`` the calls to model replicas. The rest are the policies the
-routes apply (keys, limits, deadlines, body checks) and the model router.
-``rate_limits`` also holds the small ``RateLimiter`` deployment the ingress asks.
+``routes`` is its Starlette app; ``replica_client`` the call to the engine (in this
+process) and its stream. The rest are the policies the routes apply (keys, limits,
+deadlines, body checks) and the model router. ``rate_limits`` also holds the small
+``RateLimiter`` deployment every model replica asks.
 """

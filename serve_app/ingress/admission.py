@@ -10,7 +10,7 @@ process, :mod:`serve_app.ingress.large_bodies`), routing by ``model`` (404),
 validation with vLLM's request model (:mod:`serve_app.ingress.validation`, 400),
 what the request may cost (:mod:`serve_app.ingress.request_cost`, 400), its
 grammar built first within a time limit (:mod:`serve_app.ingress.grammar_build`, 400), a
-replica place per engine sequence with its key's rank (direct streaming,
+replica place per engine sequence with its key's rank (
 :mod:`serve_app.ingress.capacity`, 429) and the key's rate limits (429).
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
@@ -74,23 +74,12 @@ def validated(
 def hold_sequences(
     hold: SlotHold | None, body: dict[str, Any], size: BodySize, payload: GenerationRequest, record: RequestRecord
 ) -> GenerationRequest:
-    """With direct streaming, hold a place of the replica for each engine sequence the request starts
+    """Hold a place of the replica for each engine sequence the request starts
     (429 if they are not free) and give the request its key's rank as its engine priority."""
     if hold is None:
         return payload
     hold.grow_to(engine_sequences(body, size.prompt.prompts), record)
     return with_priority(payload, hold.rank)
-
-
-def hold_queue_place(
-    settings: IngressSettings, model: str, payload: GenerationRequest, record: RequestRecord
-) -> GenerationRequest:
-    """On the relay path with fair share, hold the request's place among its key's requests to the
-    model (429 ``fair_share_exceeded`` past its share of a nearly full queue), its rank its priority."""
-    if settings.queue_shares is None or record.key_id is None:
-        return payload
-    record.queue_hold = settings.queue_shares[model].take(record.key_id, record)
-    return with_priority(payload, record.queue_hold.rank)
 
 
 def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:
@@ -154,7 +143,6 @@ async def admit(
     await build_grammar_first(settings, payload, size)
     record.model = entry.name
     payload = hold_sequences(hold, body, size, payload, record)
-    payload = hold_queue_place(settings, entry.name, payload, record)
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode, raw)

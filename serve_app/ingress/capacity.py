@@ -1,16 +1,13 @@
-"""GenerationSlots: with direct streaming, a model replica refuses what it cannot queue, with OpenAI's 429.
+"""GenerationSlots: a model replica refuses what it cannot queue, with OpenAI's 429. Runs in the model replica.
 
-On the relay path a model replica takes ``max_ongoing_requests`` at once and the
-rest wait in Serve's queue in the ingress, up to ``max_queued_requests``; past that
-the ingress answers 429 (``overloaded``). With direct streaming a request is at its
-replica as soon as HAProxy forwards it, and Serve's own limit there would hold
-``/health`` behind generation and answer past its queue with a plain-text status.
-So the replica's Serve limit is raised past what it generates (see
+A request is at its replica as soon as HAProxy forwards it, and Serve's own limit there
+would hold ``/health`` behind generation and answer past its queue with a plain-text
+status. So the replica's Serve limit is raised past what it generates (see
 :meth:`serve_app.config.ModelConfig.resolved_direct_deployment`), and the replica keeps
-the count Serve kept: generation requests in this replica, HTTP and gRPC together, at
-most ``limit`` (the configured ``max_ongoing_requests`` plus ``max_queued_requests``);
-past it, the same 429 the relay path answers (gRPC: ``RESOURCE_EXHAUSTED``). Requests
-over the engine's batch wait in vLLM's own queue.
+the count Serve would keep: generation requests in this replica, HTTP and gRPC together,
+at most ``limit`` (the configured ``max_ongoing_requests`` plus ``max_queued_requests``);
+past it, 429 ``overloaded`` (gRPC: ``RESOURCE_EXHAUSTED``). Requests over the engine's
+batch wait in vLLM's own queue.
 
 A place is an engine sequence: a request takes one as it arrives, before its body is
 read, and once its body says it starts more (a /v1/completions prompt list times ``n``),
@@ -37,7 +34,7 @@ keys' requests of lower rank, which come from keys holding fewer requests than i
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -47,7 +44,6 @@ from serve_app.errors import APIError, overloaded
 from serve_app.ingress.auth import KEY_ID_SCOPE_KEY
 from serve_app.ingress.route_path import route_path
 from serve_app.observability.record import RequestRecord
-from serve_app.serve_internals import QueueState
 
 
 @dataclass(frozen=True)
@@ -65,11 +61,6 @@ class FairShare:
     def for_replica(cls, limit: int, runs_at_once: int) -> FairShare:
         """Keep one batch's worth of places (``runs_at_once``), at most half of those that wait."""
         return cls(limit, max(0, min(runs_at_once, (limit - runs_at_once) // 2)))
-
-    @classmethod
-    def for_queue(cls, limit: int, runs_at_once: int) -> FairShare:
-        """Serve's queue on the relay path: keep one batch's worth of its places, at most half."""
-        return cls(limit, min(runs_at_once, limit // 2))
 
     def allowance(self, other_keys: int) -> int:
         """How many places a key may hold and still take a kept one, with ``other_keys`` holding places."""
@@ -122,8 +113,8 @@ class GenerationSlots:
     """The generation requests one replica holds, whichever front door took them: at most ``limit``.
 
     ``model`` is the model the replica serves: a request it refuses is counted against that
-    model (its metrics' ``model`` label), as the relay path counts Serve's refusals, though its
-    body was never read. With ``fair_share``, places are also counted per API key.
+    model (its metrics' ``model`` label), though its body was never read. With ``fair_share``,
+    places are also counted per API key.
     """
 
     def __init__(self, limit: int, model: str | None = None, fair_share: FairShare | None = None) -> None:
@@ -221,78 +212,6 @@ def fair_share_exceeded(why: str) -> APIError:
         code="fair_share_exceeded",
         headers={"Retry-After": "1"},
     )
-
-
-class QueueShare:
-    """The relay path's fair share: requests this ingress replica sends one model deployment, per API key.
-
-    Requests wait for a replica in Serve's queue in this process, at most
-    ``max_queued_requests`` (past it Serve refuses: 429 ``overloaded``). As on a direct
-    replica, each request gets its key's rank as its priority (the requests its key holds
-    here, waiting or answered), which the model deployment's request router routes by
-    (:class:`serve_app.serve_internals.PriorityOrder`) and vLLM schedules by; and the queue's
-    last places (``FairShare.for_queue``) go only to keys holding fewer requests than their
-    part of them. Counted in requests, as Serve's queue counts them. Serve's count lags a burst
-    admitted here, so Serve's queue may be full when a request a place is kept for reaches it;
-    that request waits for a place (:attr:`QueueHold.within_part`).
-    """
-
-    def __init__(self, queue: Callable[[], QueueState], runs_at_once: int) -> None:
-        self.queue = queue  # Serve's queue for the deployment, read when a request comes
-        self.runs_at_once = runs_at_once
-        self.keys = KeyRanks()
-
-    @property
-    def by_key(self) -> Counter[str]:
-        """Requests held, by API key."""
-        return self.keys.held
-
-    def take(self, key_id: str, record: RequestRecord | None = None) -> QueueHold:
-        """A place for a request of ``key_id``, ranked by the requests its key holds here (:class:`KeyRanks`); the 429
-        ``fair_share_exceeded`` when the queue is nearly full and the key holds its part."""
-        key_held = self.by_key.get(key_id, 0)
-        state = self.queue()
-        within_part = False
-        if state.limit >= 0:
-            others = len(self.by_key) - (1 if key_held else 0)
-            share = FairShare.for_queue(state.limit, self.runs_at_once)
-            if not share.admits(state.queued, key_held, others):
-                refusal = fair_share_exceeded(
-                    f"the model's queue is nearly full and this API key holds {key_held} of its requests"
-                )
-                if record is not None:
-                    record.error_code = refusal.code
-                raise refusal
-            within_part = key_held + 1 <= share.allowance(others)
-        return QueueHold(self, key_id, self.keys.take(key_id), within_part)
-
-    def give_back(self, key_id: str, rank: int) -> None:
-        self.keys.give_back(key_id, rank, 1)
-
-
-@dataclass
-class QueueHold:
-    """A request's place in a :class:`QueueShare`, given back once (as the request ends)."""
-
-    share: QueueShare
-    key_id: str
-    rank: int
-    # Its key held fewer than its part of the queue's kept places: a place is kept for it. Serve's
-    # count of its queue lags a burst of requests admitted here, so Serve may still refuse it; then
-    # it waits for a place (serve_app.ingress.replica_client), where a key past its part gets 429.
-    within_part: bool = False
-    held: bool = True
-
-    def give_back(self) -> None:
-        if self.held:
-            self.held = False
-            self.share.give_back(self.key_id, self.rank)
-
-
-def give_back_queue_place(record: RequestRecord) -> None:
-    """An observer of every request's end (:meth:`serve_app.ingress.settings.IngressSettings.observers`)."""
-    if record.queue_hold is not None:
-        record.queue_hold.give_back()
 
 
 SLOT_HOLD_SCOPE_KEY = "slot_hold"  # where the middleware leaves a request's SlotHold: request.state.slot_hold

@@ -36,7 +36,6 @@ TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it 
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
-QUEUE_RETRY_INTERVAL_S = 0.1  # between attempts at a full Serve queue by a request a place is kept for
 
 
 def replica_failure(exc: BaseException) -> APIError:
@@ -179,15 +178,9 @@ async def call_replica(
     engine died under it is answered once (``engine_failed``), since it may be
     what killed the engine; a replica process that died during the call is tried
     on one more replica at most, so no request can take down replica after replica.
-
-    A request that Serve's full queue refuses is answered 429 ``overloaded``, unless a place of
-    the queue is kept for it (:attr:`serve_app.ingress.capacity.QueueHold.within_part`): then it
-    is offered again until a place frees, for as long as its first token may take (a unary
-    answer's too), which the rank its priority carries makes the next place Serve routes.
     """
     streaming = bool(payload.stream)
     first_by = deadline.first_token_at if streaming else deadline.end_at
-    place_kept = record.queue_hold is not None and record.queue_hold.within_part
     retry_until: float | None = None  # set at the first refusal
     replica_deaths = 0  # calls that failed because their replica process died
 
@@ -215,10 +208,6 @@ async def call_replica(
             raise
         except Exception as exc:
             error = replica_failure(exc)
-            if error.code == "overloaded" and place_kept:
-                if await _before_retry(deadline.first_token_at, QUEUE_RETRY_INTERVAL_S):
-                    continue
-                raise error from None
             replica_deaths += may_have_reached_an_engine(exc)
             if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
                 continue

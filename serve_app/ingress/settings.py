@@ -1,7 +1,7 @@
 """IngressSettings: what every generation request is held to, whichever protocol brought it.
 
-Built once per ingress replica from the serve config
-(:class:`serve_app.ingress.deployment.Ingress`) and read by both front doors:
+Built once per model replica from the serve config
+(:class:`serve_app.replica.front_door.DirectModelServer`) and read by both front doors:
 the HTTP routes (:mod:`serve_app.ingress.routes`) and the gRPC service
 (:mod:`serve_app.grpc_api.service`).
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from serve_app.config import AppConfig, CORSConfig
 from serve_app.ingress.auth import APIKeys, load_api_keys
-from serve_app.ingress.capacity import GenerationSlots, QueueShare, give_back_queue_place
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.large_bodies import BodyChecker
 from serve_app.ingress.rate_limits import KeyLimits, LimiterHandle
@@ -37,20 +37,16 @@ class IngressSettings:
     metrics: RequestObserver | None = None
     log_requests: bool = True  # one structured line per generation request
     log_content: bool = False  # ... with the prompt and the completion in it
-    # Direct streaming: the generation requests this model replica holds, queued ones included,
-    # shared by both front doors (serve_app.ingress.capacity); None: Serve's queue bounds them (the relay path).
+    # The generation requests this model replica holds, queued ones included, shared by both
+    # front doors (serve_app.ingress.capacity); None: unbounded.
     generation_slots: GenerationSlots | None = None
-    # The relay path with fair share: each model's requests from this replica per API key, against
-    # Serve's queue for it (serve_app.ingress.capacity), by model name; None: not counted.
-    queue_shares: dict[str, QueueShare] | None = None
     # Bodies over 256 KiB are checked in this process's checker process, whichever door brought them.
     body_checker: BodyChecker = field(default_factory=BodyChecker)
 
     def observers(self) -> list[Observer]:
         """Who is told of each request once it has ended: its key's limits (its place back), the
         metrics, then the log line."""
-        observers: list[Observer] = [give_back_queue_place] if self.queue_shares is not None else []
-        observers += [self.key_limits.request_ended] if self.key_limits is not None else []
+        observers: list[Observer] = [self.key_limits.request_ended] if self.key_limits is not None else []
         observers += [self.metrics.ended] if self.metrics is not None else []
         return observers + ([log_request] if self.log_requests else [])
 
@@ -71,8 +67,7 @@ def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimi
 
 
 def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> IngressSettings:
-    """The settings of the replica that answers clients (an ingress replica, or with direct
-    streaming a model replica), read from the serve config in that replica."""
+    """The settings of the model replica that answers clients, read from the serve config in that replica."""
     from serve_app.ingress.admission import default_endpoints
     from serve_app.observability.metrics import ServingMetrics
 

@@ -24,8 +24,7 @@ from serve_app.ingress.route_path import route_path
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome
 
-if TYPE_CHECKING:  # (both read RequestRecord)
-    from serve_app.ingress.capacity import QueueHold
+if TYPE_CHECKING:  # (it reads RequestRecord)
     from serve_app.ingress.rate_limits import KeyLease
 
 CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
@@ -47,7 +46,6 @@ class RequestRecord:
     request_id: str | None = None
     key_id: str | None = None  # hashed API key, when keys are configured
     key_lease: KeyLease | None = None  # its place among its key's requests at once, given back at its end
-    queue_hold: QueueHold | None = None  # relay path with fair share: its key's place, given back at its end
     stream: bool = False
     phase: Phase = Phase.RECEIVED
     status: int | None = None

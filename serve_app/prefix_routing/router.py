@@ -2,8 +2,9 @@
 
 A serve config turns it on per model (``prefix_routing`` in :mod:`serve_app.config`,
 which sets the deployment's ``request_router_config``). Serve then builds one in every
-process that holds a handle to the deployment, the ingress replicas, and asks it for
-each call. It reuses Serve's power-of-two-choices router for everything but the
+process that holds a handle to the deployment (the ReplicaPicker's replicas, and under a
+bare ``serve run`` without HAProxy, Serve's proxy) and asks it for each call. It reuses
+Serve's power-of-two-choices router for everything but the
 preference: when :func:`~serve_app.prefix_routing.table.choose` names a replica, that
 replica is tried first and Serve's two random candidates after it (so a full preferred
 replica never holds a request back); otherwise only the two candidates, as Serve's
@@ -45,7 +46,6 @@ from serve_app.prefix_routing.table import (
     opening_digest,
     prefix_blocks,
 )
-from serve_app.serve_internals import PriorityOrder
 
 logger = logging.getLogger("ray.serve")
 
@@ -66,7 +66,7 @@ def template_text(chat_template: str | None) -> str:
     return path.read_text() if "{" not in chat_template and path.is_file() else chat_template
 
 
-class PrefixAffinityRouter(PriorityOrder, LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Prefers the replica that holds a request's prompt prefix, unless it is much busier."""
 
     def initialize_state(

@@ -1,13 +1,11 @@
-"""With direct streaming, the model replica answers clients itself: the ingress's HTTP app, called locally.
+"""The model replica answers clients itself: the front door's HTTP app, the engine called locally.
 
 HAProxy forwards each request's connection to the replica the
-:class:`~serve_app.replica_picker.ReplicaPicker` chose. The replica serves the same
-Starlette app the ingress deployment serves on the relay path
-(:func:`serve_app.ingress.routes.build_http_app`: API keys, rate limits, strict
-validation, deadlines, the request log, metrics, OpenAI-shaped errors), with one
-difference: the model it routes to is this replica, called in-process
-(:class:`LocalModel`) where the ingress calls a deployment handle. Tokens then go
-from the engine to the client's socket in this process.
+:class:`~serve_app.replica_picker.ReplicaPicker` chose. The replica serves the
+front door's Starlette app (:func:`serve_app.ingress.routes.build_http_app`: API keys,
+rate limits, strict validation, deadlines, the request log, metrics, OpenAI-shaped
+errors); the model it routes to is this replica, called in-process
+(:class:`LocalModel`). Tokens go from the engine to the client's socket in this process.
 """
 
 from __future__ import annotations
@@ -91,8 +89,8 @@ class LocalMethod:
     """``handle.<method>`` of a streaming handle, for a method of this replica.
 
     Once this replica's engine has failed, a request it has not started goes to the
-    deployment's other replicas through ``elsewhere`` (the relay path's handle call),
-    as the ingress sends it on the relay path: HAProxy has already handed the
+    deployment's other replicas through ``elsewhere`` (a streaming deployment handle):
+    HAProxy has already handed the
     connection to this replica, and only this replica can still answer it.
     """
 
@@ -160,7 +158,7 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
         )
         # A request that meets this replica after its engine died goes to the others, and
         # is sent again (for up to ingress.unavailable_retry_s) while they answer
-        # `unavailable`, as on the relay path.
+        # `unavailable`.
         slots = generation_slots(model, config)
         self.settings = replace(ingress_settings(config, rate_limiter), generation_slots=slots)
         self.readiness = ReadinessWatch(
@@ -175,7 +173,7 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
         return build_http_app(self.front_router, self.settings, self.readiness)
 
     def _leave(self) -> None:
-        """Its engine died or hung: stop the engine, but keep the process (on the relay path it exits).
+        """Its engine died or hung: stop the engine, but keep the process (ModelServer's own exits).
 
         HAProxy and the picker keep sending this replica requests until Serve, whose
         health check of it now fails, takes it out and stops it (draining what it

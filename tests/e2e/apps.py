@@ -65,12 +65,6 @@ class RunningApp:
     def model_deployment(self) -> str:
         return "model-" + self.model
 
-    @property
-    def direct_streaming(self) -> bool:
-        """Whether its model replicas answer clients themselves (``ingress.direct_streaming``)."""
-        config = application(yaml.safe_load(self.config_path.read_text()), self.name)
-        return bool(config["args"]["ingress"].get("direct_streaming"))
-
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -85,8 +79,8 @@ def bed_application() -> dict[str, Any]:
 
     - its name and route (``glm-sim`` at ``/sim``), beside the CPU app;
     - no model load time (``load_s`` 0): a replacement replica serves within seconds;
-    - one model replica and one ingress replica, not autoscaling: a burst sized for one
-      replica's queue meets exactly that (the autoscale test sets autoscaling back);
+    - one model replica, not autoscaling: a burst sized for one replica's queue meets exactly
+      that (the autoscale test sets autoscaling back);
     - the CPU config's time limits (request 60 s, first token 30 s, drain 60 s), since the
       cluster's proxies are the CPU config's (they end any request after 90 s);
     - ``engine_stall_timeout_s`` 5, so that a hung engine is caught within seconds;
@@ -106,8 +100,6 @@ def bed_application() -> dict[str, Any]:
     deployment["health_check_timeout_s"] = BED_HEALTH_CHECK_TIMEOUT_S
     ingress = application["args"]["ingress"]
     ingress["request_timeout_s"], ingress["first_token_timeout_s"] = BED_REQUEST_TIMEOUT_S, 30
-    ingress["deployment"].pop("autoscaling_config")
-    ingress["deployment"]["num_replicas"] = 1
     return application
 
 

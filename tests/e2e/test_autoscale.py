@@ -5,7 +5,7 @@ holding gets one explicit error (``engine_failed``) and is never sent to another
 request may be what killed the engine. Every other request, and every request sent right
 after, reaches its client complete: the dead replica's front door sends what it had not
 admitted on to the other replicas until Serve, whose health checks of it fail, stops it (with
-direct streaming, as the bed runs; on the relay path it refuses them as retryable and exits).
+its engine's death leaves its process running).
 No other replica dies.
 
 The bed runs one replica; this test deploys the bed with the shipped autoscaling_config (from
@@ -138,11 +138,8 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
             return await death_reason(victim)
 
         # The failed engine's replica is gone: stopped by Serve (RAY_KILL) as it scaled, or after
-        # failed health checks (a direct-streaming replica keeps its process, see
-        # DirectModelServer._leave), or by its own exit (WORKER_DIED) on the relay path. No other
-        # replica died: Serve may stop one as it scales (RAY_KILL), which is no death. Serve's
-        # way takes its health checks (the bed's: every 10 s, 30 s timeout) and HAProxy's drain
-        # (30 s): 45 to 58 s in the runs seen, so the wait allows for them.
+        # failed health checks (its process stays until then, see DirectModelServer._leave). No
+        # other replica died: Serve may stop one as it scales (RAY_KILL), which is no death.
         reason = await wait_until(victim_left, BED_REPLACES_S, "the failed engine's replica gone")
         print(f"the failed engine's replica left: {reason}")
         assert "WORKER_DIED" not in [await death_reason(survivor) for survivor in survivors]

@@ -55,7 +55,7 @@ def direct(variants: dict[str, RunningApp]) -> RunningApp:
     return variants[NAME]
 
 
-async def test_the_model_replica_is_the_applications_ingress_and_nothing_relays(direct: RunningApp) -> None:
+async def test_the_model_replica_is_the_applications_ingress_with_the_picker_beside_it(direct: RunningApp) -> None:
     status = await asyncio.to_thread(serve.status)
     deployments = status.applications[NAME].deployments
     assert set(deployments) == {MODEL.deployment_name, "ReplicaPicker"}, set(deployments)
@@ -103,8 +103,8 @@ async def test_bad_requests_get_the_openai_error_that_names_the_problem(
 async def test_a_client_slower_to_send_its_body_than_serves_default_wait_is_answered(direct: RunningApp) -> None:
     """HAProxy holds a POST here until its body has come, then hands it to the picker. Serve's
     default bound on that wait (5 s) answered a slow upload with HAProxy's own 408 page (seen:
-    a loaded client of test_autoscale's); deploy/cluster.env gives it ingress.body_timeout_s,
-    as the relay path does. The client here sends its headers, then its body one second past
+    a loaded client of test_autoscale's); deploy/cluster.env gives it ingress.body_timeout_s.
+    The client here sends its headers, then its body one second past
     Serve's default."""
     body = json.dumps(chat(direct.model, 4)).encode()
 

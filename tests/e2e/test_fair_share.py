@@ -9,9 +9,6 @@ then B's, ranked 0. Resumed, the engine runs 64 at a time: B's is in the first 6
 A's first), where arrival order (first come, first served) would have put it last, behind A's 96
 waiting requests. Every request of both keys completes in full.
 
-On the relay path the same holds of the requests waiting in Serve's queue in the ingress,
-which the model deployment's request router routes by rank.
-
 With ``rate_limits.max_concurrent_requests`` a key past its requests at once gets 429 while
 another key's request goes ahead; the places come back as requests end. With the shared
 limiter unreachable (its one replica cannot be placed), the replica holds each key to the
@@ -24,8 +21,6 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -34,9 +29,6 @@ import yaml
 from tests.e2e.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.bodies import chat
 from tests.e2e.serve_state import (
-    DeploymentName,
-    live_replicas,
-    ongoing_at,
     only_one_running,
     serve_deploy,
     serve_deploy_settled,
@@ -45,7 +37,7 @@ from tests.e2e.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
 FLOOD = 160  # more than the replica runs at once (64): 96 wait
-RUNS_AT_ONCE = 64  # the bed's batch (max_num_seqs), and its replica's max_ongoing_requests on the relay path
+RUNS_AT_ONCE = 64  # the bed's batch (max_num_seqs)
 FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps
 LIGHT_TOKENS = 8
 
@@ -60,26 +52,6 @@ async def keyed_bed(variants) -> Bed:
 async def limited_bed(variants) -> Bed:
     """``glm-limited``: the keyed bed, each key held to 2 requests at once by the rate limiter."""
     return await ready_bed(variants["glm-limited"])
-
-
-@pytest.fixture
-async def restored(bed, cluster):
-    """The bed; deployed again as it was once the test ends."""
-    try:
-        yield bed
-    finally:
-        await serve_deploy_settled(bed.app.config_path, cluster)
-
-
-def keyed_config(bed, tmp_path: Path, **ingress: Any) -> Path:
-    """The suite's config with the bed given both API keys (and so fair share), and ``ingress`` settings."""
-    keys_file = tmp_path / "api-keys"
-    keys_file.write_text(f"{FLOOD_KEY}\n{LIGHT_KEY}\n")
-    config = yaml.safe_load(bed.app.config_path.read_text())
-    application(config, bed.app.name)["args"]["ingress"] |= {"api_keys": {"file": str(keys_file)}} | ingress
-    keyed = tmp_path / "with-api-keys.yaml"
-    keyed.write_text(yaml.safe_dump(config, sort_keys=False))
-    return keyed
 
 
 async def streamed(client: httpx.AsyncClient, key: str, tokens: int, model: str) -> tuple[int, float, bool]:
@@ -128,33 +100,6 @@ async def test_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind
     print(f"direct streaming: {started_after_light} of the flood's {FLOOD} requests started after the light key's")
     # The 96 that waited for a second wave (first come, first served: none).
     assert started_after_light >= FLOOD - RUNS_AT_ONCE, started_after_light
-
-
-async def test_on_the_relay_path_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind_it(
-    restored, cluster, tmp_path
-):
-    """The same through an ingress replica: the engine runs A's first 64, the other 96 wait in
-    Serve's queue in the ingress, then B's, ranked 0. The model deployment's request router routes
-    the waiting by rank: once the first wave ends, B's goes with the second, where arrival order
-    would have put it in the third, behind A's 96."""
-    bed = restored
-    await serve_deploy_settled(keyed_config(bed, tmp_path, direct_streaming=False), cluster)
-    (ingress,) = await live_replicas(DeploymentName(bed.app.name, "Ingress"))
-
-    async def ingress_holds(count: int) -> bool:
-        return await ongoing_at(ingress) >= count
-
-    async def flood_arrived() -> None:
-        await bed.engines.wait_until_holding(RUNS_AT_ONCE)
-        await wait_until(lambda: ingress_holds(FLOOD), 60, f"the ingress holding {FLOOD}")
-
-    async def light_arrived() -> None:
-        await wait_until(lambda: ingress_holds(FLOOD + 1), 60, f"the ingress holding {FLOOD + 1}")
-
-    started_after_light = await flood_then_light(bed, flood_arrived, light_arrived)
-    print(f"relay path: {started_after_light} of the flood's {FLOOD} requests started after the light key's")
-    # At least the 32 of the third wave (first come, first served: none).
-    assert started_after_light >= FLOOD - 2 * RUNS_AT_ONCE, started_after_light
 
 
 async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_without_it_by_the_replica(

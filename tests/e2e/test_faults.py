@@ -123,13 +123,10 @@ async def seconds_until_answers_resume(app: RunningApp) -> float:
     return time.monotonic() - start
 
 
-async def left(replica: str, app: RunningApp) -> bool:
-    """Whether the replica whose engine failed is gone, as its path has it leave: on the relay
-    path it ends its own process (serve_app.replica.engine_watch; Ray records its worker as
-    died, where a replica Serve stops is killed); with direct streaming it stays, passing on
-    what HAProxy still sends it, until Serve, whose health check of it fails, stops it."""
-    reason = await death_reason(replica)
-    return reason is not None if app.direct_streaming else reason == "WORKER_DIED"
+async def left(replica: str) -> bool:
+    """Whether the replica whose engine failed is gone: it stays, passing on what HAProxy still
+    sends it, until Serve, whose health check of it fails, stops it."""
+    return await death_reason(replica) is not None
 
 
 def check_cut(streams: list[Stream], grpc_calls: list[Call], waiting: list[Stream]) -> None:
@@ -168,7 +165,7 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
     assert engine_failures(metrics_url, app) - counted_before == failed
     print(f"{failed} requests held by the failed engine each got one engine_failed error")
     print(f"answers resumed {await seconds_until_answers_resume(app):.1f} s after the engine died")
-    await wait_until(lambda: left(replica, app), BED_REPLACES_S, "the failed engine's replica gone")
+    await wait_until(lambda: left(replica), BED_REPLACES_S, "the failed engine's replica gone")
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
@@ -206,7 +203,7 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     print(f"every request ended {slowest:.1f} s after the engine hung (engine_stall_timeout_s {BED_STALL_TIMEOUT_S})")
 
     # (after its calls' errors went out)
-    await wait_until(lambda: left(replica, app), BED_REPLACES_S, "the hung replica gone")
+    await wait_until(lambda: left(replica), BED_REPLACES_S, "the hung replica gone")
     print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
 
 
@@ -214,7 +211,7 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
 async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_and_is_replaced(app, one_replica):
     """The canary for the simulated failure: the real engine-core process is killed (SIGKILL)
     while it generates. Streams it was generating end with an ``engine_failed`` error event,
-    the replica leaves (by itself on the relay path), and a new replica answers."""
+    Serve replaces the replica, and a new replica answers."""
     for attempt in (1, 2):
         replica, results = await kill_the_engine_under_streams(app, one_replica)
         cut = 0
@@ -234,7 +231,7 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_an
         await single_replica(one_replica)
     print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
     print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
-    await wait_until(lambda: left(replica, app), 60, "the dead engine's replica gone")
+    await wait_until(lambda: left(replica), 60, "the dead engine's replica gone")
     # Each request the dead engine held was answered once (never sent to another replica).
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
     logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)

@@ -216,9 +216,9 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(bed, m
     deployment = config["args"]["models"][0]["deployment"]
     assert deployment["max_ongoing_requests"] + deployment["max_queued_requests"] == QUEUE
     deadline_s = config["args"]["ingress"]["request_timeout_s"]  # a unary request's only deadline
-    # Full: its batch in the engine; with direct streaming the replica's front door admits what
-    # it runs and queues, and the engine queues past its batch (config.resolved_direct_deployment).
-    full = QUEUE if app.direct_streaming else deployment["max_ongoing_requests"]
+    # Full: the replica's front door admits what it runs and queues, and the engine queues past
+    # its batch (config.resolved_direct_deployment).
+    full = QUEUE
 
     def timed_out(status: int, seconds: float, response: httpx.Response) -> bool:
         """The deadline's 504, and not before the deadline (the client's clock starts first)."""

@@ -8,31 +8,22 @@ history cached is vLLM's own answer: ``usage.prompt_tokens_details.cached_tokens
 conversation has its own system prompt, so only the replica that served its earlier turns
 holds any of its prompt: a later turn sent to the other replica would find nothing cached.
 
-Both data paths are tested: direct streaming, as shipped, where the ReplicaPicker runs the
-router for HAProxy with each request's body (deploy/cluster.env) and is told of each pick,
-since Serve dispatches nothing there; and the relay path (``prefix-relay``, deployed by this
-test beside the others), where the ingress's handle runs it.
+The ReplicaPicker runs the router for HAProxy with each request's body (deploy/cluster.env)
+and is told of each pick, since Serve dispatches nothing there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-from dataclasses import replace
-from typing import Any
 
 import httpx
-import yaml
 
-from tests.e2e.apps import RunningApp, application
+from tests.e2e.apps import RunningApp
 from tests.e2e.serve_state import (
     DeploymentName,
     haproxy_routes_to,
     live_replicas,
     ongoing_at,
-    running,
-    serve_deploy,
-    serve_deploy_settled,
 )
 from tests.e2e.simulation import SimulatedEngines, ready_bed
 from tests.waiting import wait_until
@@ -42,14 +33,6 @@ CONVERSATIONS = 8
 TURNS = 4
 ANSWER_TOKENS = 16
 HOT_BURST = 40  # identical requests, held while both engines are paused
-
-
-def relay_app(prefix: dict[str, Any]) -> dict[str, Any]:
-    """The ``prefix`` variant on the relay path, under another name and route."""
-    app = copy.deepcopy(prefix)
-    app["name"], app["route_prefix"] = "prefix-relay", "/prefix-relay"
-    app["args"]["ingress"]["direct_streaming"] = False
-    return app
 
 
 def system_prompt(n: int) -> str:
@@ -87,26 +70,6 @@ async def test_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_rep
     stats = ray_cluster.haproxy_stats_url
     await wait_until(lambda: haproxy_routes_to(stats, prefix.model, 2), 60, "HAProxy routing to both replicas")
     await check_turns_and_hot_prompt(prefix.app, prefix.model)
-
-
-async def test_on_the_relay_path_turns_find_their_history_cached_and_a_hot_prompt_reaches_both_replicas(
-    variants, cluster, tmp_path
-):
-    prefix = variants["prefix"]
-    config = yaml.safe_load(prefix.config_path.read_text())
-    relay = relay_app(application(config, prefix.name))
-    config["applications"].append(relay)
-    path = tmp_path / "with-prefix-relay-app.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    app = replace(prefix, name=relay["name"], route_prefix=relay["route_prefix"], config_path=path)
-    model = DeploymentName(app.name, app.model_deployment)
-    try:
-        await serve_deploy(path, cluster)
-        await wait_until(lambda: running(model, 2), 120, "the relay app's two model replicas running")
-        await wait_until(lambda: healthy(app), 60, "the relay app answering /health")
-        await check_turns_and_hot_prompt(app, model)
-    finally:
-        await serve_deploy_settled(prefix.config_path, cluster)  # the relay app goes
 
 
 async def check_turns_and_hot_prompt(app: RunningApp, model: DeploymentName) -> None:

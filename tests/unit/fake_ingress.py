@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from serve_app.config import CORSConfig
 from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.capacity import GenerationSlots, QueueShare
+from serve_app.ingress.capacity import GenerationSlots
 from serve_app.ingress.deadlines import TimeLimits
 from serve_app.ingress.rate_limits import KeyLimits
 from serve_app.ingress.readiness import Readiness
@@ -114,7 +114,6 @@ def client_for(
     max_output_tokens: int | None = None,
     body_timeout_s: float = 30.0,
     slots: GenerationSlots | None = None,
-    queue_share: QueueShare | None = None,
     costs: CostLimits | None = None,
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
@@ -134,7 +133,6 @@ def client_for(
         metrics=metrics,
         log_content=log_content,
         generation_slots=slots,
-        queue_shares=None if queue_share is None else {"glm-4-9b-chat": queue_share},
         costs=costs or CostLimits(),
     )
     app = build_http_app(router, settings, readiness)

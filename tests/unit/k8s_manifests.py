@@ -84,7 +84,7 @@ def serve_config_file(name: str) -> Path:
 
 
 def worker_groups(rayservice: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The RayService's worker groups by name: `cpu` (ingress) and `gpu` (model replicas)."""
+    """The RayService's worker groups by name: `cpu` (picker, rate limiter) and `gpu` (model replicas)."""
     return {group["groupName"]: group for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
 

@@ -9,7 +9,7 @@ from tests.unit.test_config import app_args
 
 
 @pytest.mark.parametrize("haproxy", [True, False], ids=["with HAProxy", "without HAProxy"])
-def test_direct_streaming_makes_the_model_deployment_the_ingress_and_asks_the_picker_only_with_haproxy(
+def test_the_model_deployment_is_the_ingress_and_asks_the_picker_only_with_haproxy(
     monkeypatch: pytest.MonkeyPatch, haproxy: bool
 ) -> None:
     """With Serve's HAProxy the ReplicaPicker is the model deployment's ingress request router;
@@ -22,18 +22,11 @@ def test_direct_streaming_makes_the_model_deployment_the_ingress_and_asks_the_pi
     assert (router._bound_deployment.name if router is not None else None) == ("ReplicaPicker" if haproxy else None)
 
 
-def test_the_relay_path_puts_the_ingress_in_front_of_the_model_deployment() -> None:
-    args = app_args("config.sim.yaml")
-    args["ingress"]["direct_streaming"] = False
-    application = app_module.build_app(args)
-    assert application._bound_deployment.name == "Ingress" and application._ingress_request_router is None
-
-
 @pytest.mark.parametrize("fair_share", [True, False], ids=["fair share", "no fair share"])
 def test_with_fair_share_the_direct_replicas_engine_schedules_waiting_requests_by_priority(
     fair_share: bool,
 ) -> None:
-    """Only where it applies: direct streaming with API keys (without keys, one tenant)."""
+    """Only where it applies: with API keys (without keys, one tenant)."""
     args = app_args("config.sim.yaml")
     args["ingress"] |= {"fair_share": fair_share, "api_keys": {"env": "GLM4_TEST_KEYS"}}
     application = app_module.build_app(args)

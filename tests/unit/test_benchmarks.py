@@ -103,8 +103,8 @@ def test_both_servers_get_the_configs_engine_args_and_environment(tmp_path):
     assert served["http_options"]["port"] == int(app.url.rsplit(":", 1)[1])
     assert app.grpc_target is not None and served["grpc_options"]["port"] == int(app.grpc_target.rsplit(":", 1)[1])
     assert args["models"][0]["engine_args"] == entry["engine_args"]
-    for deployment in (args["models"][0]["deployment"], args["ingress"]["deployment"]):
-        assert deployment["num_replicas"] == 1 and "autoscaling_config" not in deployment
+    deployment = args["models"][0]["deployment"]
+    assert deployment["num_replicas"] == 1 and "autoscaling_config" not in deployment
     assert "api_keys" not in args["ingress"]  # bare vLLM is measured without keys too
     assert "api_keys" in config["applications"][0]["args"]["ingress"]  # the original is untouched
 
@@ -432,17 +432,17 @@ def test_the_first_token_paths_ports_are_read_from_serves_haproxy_files():
         picker_port("local ROUTERS = {\n}\n")
 
 
-def test_the_fair_share_benchmark_gives_this_apps_config_both_keys_and_the_chosen_path(tmp_path):
+def test_the_fair_share_benchmark_gives_this_apps_config_both_keys_and_the_chosen_fair_share(tmp_path):
     from benchmarks import fair_share, servers
 
     config = yaml.safe_load((REPO / "deploy" / "config.sim.yaml").read_text())
     servers.this_app(config, None, tmp_path, REPO)
     keys = tmp_path / "api-keys"
-    fair_share.with_keys(tmp_path / "serve_config.yaml", keys, fair_share=False, direct=False)
+    fair_share.with_keys(tmp_path / "serve_config.yaml", keys, fair_share=False)
     written = yaml.safe_load((tmp_path / "serve_config.yaml").read_text())
     ingress = written["applications"][0]["args"]["ingress"]
     assert ingress["api_keys"] == {"file": str(keys)}
-    assert (ingress["fair_share"], ingress["direct_streaming"]) == (False, False)
+    assert ingress["fair_share"] is False
     answers = [fair_share.Answer(200, t / 1000) for t in (10, 20, 30, 40)] + [fair_share.Answer(429, None)]
     assert fair_share.light_summary(answers) == {
         "ttft_p50_ms": 20.0,

@@ -273,12 +273,11 @@ def test_drain_shorter_than_the_longest_answer_is_refused():
         parse_app_config(args)
 
 
-def test_ingress_drains_as_long_as_the_longest_answer():
+@pytest.mark.parametrize("key", ["direct_streaming", "deployment"])
+def test_a_key_of_the_retired_relay_path_is_refused_by_name(key):
     args = minimal()
-    args["ingress"] = {"request_timeout_s": 90}
-    assert parse_app_config(args).ingress.resolved_deployment()["graceful_shutdown_timeout_s"] == 90
-    args["ingress"]["deployment"] = {"graceful_shutdown_timeout_s": 10}
-    with pytest.raises(ConfigError, match=r"ingress.deployment.graceful_shutdown_timeout_s \(10\)"):
+    args["ingress"] = {key: {} if key == "deployment" else True}
+    with pytest.raises(ConfigError, match=rf"ingress.{key} is no longer read: answers always stream from the model"):
         parse_app_config(args)
 
 
@@ -311,7 +310,6 @@ def test_stream_batching_can_be_turned_off_and_is_validated():
 def test_work_a_request_may_ask_for_is_bounded_by_default():
     config = parse_app_config(minimal())
     assert config.ingress.max_n == 8 and config.ingress.body_timeout_s == 30
-    assert config.ingress.resolved_deployment()["max_queued_requests"] == 1024
     assert config.models[0].max_output_tokens is None  # the context decides
     capped = minimal(
         engine_args={"model": "m", "max_num_seqs": 8, "override_generation_config": {"max_new_tokens": 64}}
@@ -413,14 +411,13 @@ def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
     assert module == "serve_app.prefix_routing.router" and issubclass(PrefixAffinityRouter, RequestRouter), name
 
 
-def test_direct_streaming_serves_exactly_one_model():
+def test_an_application_serves_exactly_one_model():
     two = {"models": [minimal()["models"][0], {"name": "other", "engine_args": {"model": "b", "max_num_seqs": 8}}]}
-    with pytest.raises(ConfigError, match="direct_streaming serves exactly one model"):
-        parse_app_config(two | {"ingress": {"direct_streaming": True}})
-    assert parse_app_config(minimal() | {"ingress": {"direct_streaming": True}}).ingress.direct_streaming
+    with pytest.raises(ConfigError, match="models lists 2: an application serves exactly one model"):
+        parse_app_config(two)
 
 
-def test_with_direct_streaming_the_replica_takes_past_its_generation_limit_and_enforces_the_limit_itself():
+def test_the_replica_takes_past_its_generation_limit_and_enforces_the_limit_itself():
     model = parse_app_config(minimal(deployment={"max_ongoing_requests": 4, "max_queued_requests": 6})).models[0]
     assert model.generation_limit() == 10
     options = model.resolved_direct_deployment()
@@ -441,16 +438,12 @@ def test_a_request_may_not_ask_for_more_sequences_than_a_replica_batches():
 
 def test_fair_share_is_on_by_default_and_refuses_an_engine_scheduling_first_come_first_served():
     keys = {"api_keys": {"env": "KEYS"}}
-    direct = {"ingress": {"direct_streaming": True} | keys}
-    assert parse_app_config(minimal() | direct).ingress.applies_fair_share
+    assert parse_app_config(minimal() | {"ingress": keys}).ingress.applies_fair_share
     fcfs = minimal(engine_args={"model": "m", "max_num_seqs": 8, "scheduling_policy": "fcfs"})
     with pytest.raises(ConfigError, match="scheduling_policy is 'fcfs': ingress.fair_share schedules"):
-        parse_app_config(fcfs | direct)
-    assert parse_app_config(fcfs | {"ingress": {"direct_streaming": True, "fair_share": False} | keys})
-    with pytest.raises(ConfigError, match="scheduling_policy is 'fcfs'"):
-        parse_app_config(fcfs | {"ingress": keys})  # the relay path: fair share too
-    assert parse_app_config(minimal() | {"ingress": keys}).ingress.applies_fair_share
-    assert not parse_app_config(fcfs | {"ingress": {"direct_streaming": True}}).ingress.applies_fair_share
+        parse_app_config(fcfs | {"ingress": keys})
+    assert parse_app_config(fcfs | {"ingress": {"fair_share": False} | keys})
+    assert not parse_app_config(fcfs).ingress.applies_fair_share
     model = parse_app_config(minimal()).models[0]
     assert model.with_priority_scheduling().engine_args == model.engine_args | {"scheduling_policy": "priority"}
     assert model.runs_at_once() == 8

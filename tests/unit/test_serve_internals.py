@@ -73,53 +73,5 @@ def test_serve_refuses_an_ingress_request_router_without_the_haproxy_flag_the_ap
     assert serve_internals.haproxy_enabled() is constants.RAY_SERVE_ENABLE_HA_PROXY
 
 
-async def test_waiting_requests_are_routed_lowest_priority_first_then_oldest() -> None:
-    from types import SimpleNamespace
-
-    from ray.serve._private.request_router.common import PendingRequest
-
-    def waiting(priority: object) -> PendingRequest:
-        return PendingRequest(args=[SimpleNamespace(priority=priority), None], kwargs={}, metadata=None)
-
-    class Queue(serve_internals.PriorityOrder):
-        def __init__(self, requests: list[PendingRequest]) -> None:
-            from collections import deque
-
-            self._pending_requests_to_route = deque(requests)
-
-    old, cancelled, heavy, light, later_light, odd = (waiting(p) for p in (5, 0, 7, 1, 1, "-9"))
-    cancelled.future.cancel()
-    queue = Queue([old, cancelled, heavy, light, later_light, odd])
-    routed = [queue._get_next_pending_request_to_route() for _ in range(5)]
-    assert routed == [odd, light, later_light, old, heavy]  # ("-9" is no priority: 0)
-    assert queue._get_next_pending_request_to_route() is None
-    no_args = PendingRequest(args=[], kwargs={}, metadata=None)
-    assert serve_internals.request_priority(no_args) == 0
-
-
-def test_serve_routes_waiting_requests_through_the_methods_priority_order_replaces() -> None:
-    from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
-
-    from serve_app.priority_router import PriorityOrderedRouter
-
-    source = inspect.getsource(RequestRouter)
-    assert "self._get_next_pending_request_to_route()" in source
-    assert "self._fulfill_next_pending_request(" in source
-    assert "self._pending_requests_to_route.append(pending_request)" in source
-    mro = PriorityOrderedRouter.__mro__
-    assert mro.index(serve_internals.PriorityOrder) < mro.index(FIFOMixin)  # each task routes its own request
-    assert callable(RequestRouter._fulfill_next_pending_request)
-
-
-def test_a_handles_queue_is_read_where_serve_counts_it() -> None:
-    from ray.serve._private.router import AsyncioRouter, RouterMetricsManager
-
-    assert "self._metrics_manager = RouterMetricsManager(" in inspect.getsource(AsyncioRouter.__init__)
-    source = inspect.getsource(RouterMetricsManager)
-    assert "self.num_queued_requests >= max_queued_requests" in source
-    assert "self._deployment_config.max_queued_requests" in source
-
-    class Unused:
-        _router = None
-
-    assert serve_internals.queue_state(Unused()) == serve_internals.QueueState(0, -1)
+def test_ray_exports_metrics_at_the_interval_the_kept_gauges_read() -> None:
+    assert serve_internals.metrics_export_interval_s() == max(ray._config.metrics_report_interval_ms(), 1000) / 1000
