@@ -51,6 +51,30 @@ def haproxy_enabled() -> bool:
     return RAY_SERVE_ENABLE_HA_PROXY
 
 
+def replica_states(app_name: str) -> dict[str, dict[str, int]]:
+    """Each deployment of the application: its replicas counted by state (``RUNNING``, ...), as
+    Serve's controller reports them. Blocking (one controller call).
+
+    The dict ``serve.status()`` parses, read without building its models: that parse rebuilds
+    every deployment's request-router config, pickling the router class each time, and cost each
+    model replica a tenth of a core at one call a second.
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # (Serve not started)
+        return {}
+    application = (client.get_serve_details().get("applications") or {}).get(app_name) or {}
+    states: dict[str, dict[str, int]] = {}
+    for name, deployment in (application.get("deployments") or {}).items():
+        counts: dict[str, int] = {}
+        for replica in deployment.get("replicas") or []:
+            state = str(getattr(replica["state"], "value", replica["state"]))
+            counts[state] = counts.get(state, 0) + 1
+        states[name] = counts
+    return states
+
+
 def metrics_export_interval_s() -> float:
     """How often Ray exports a process's metrics (its ``metrics_report_interval_ms``, read as its
     metric recorder reads it: at least 1 s); 10 s by Ray's default."""

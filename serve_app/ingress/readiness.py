@@ -2,12 +2,12 @@
 
 ``GET /health`` must answer at once, whatever the load, and must not turn a
 slow Serve controller into an outage. Asking the controller per probe did both
-wrong: each probe was a blocking ``serve.status()`` call in a thread (a flood of
+wrong: each probe was a blocking call to the controller in a thread (a flood of
 probes piled threads up), and while the controller stalled (20-30 s under load
 on a small host) every ingress answered 503 together, so a load balancer would
 drop every backend at once.
 
-So one task per ingress replica asks the controller, one call at a time, and
+So one task per model replica asks the controller, one call at a time, and
 keeps the answer; ``/health`` reads what it kept, reports its age, and calls a
 model down only when Serve says so or when the controller has not answered for
 ``max_age_s``.
@@ -20,22 +20,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
 REFRESH_S = 1.0  # between the end of one controller call and the start of the next
 
 
-def running_models(status: Any, app_name: str, deployments: dict[str, str]) -> dict[str, bool]:
+ReplicaStates = dict[str, dict[str, int]]  # deployment -> replica state -> count (serve_internals.replica_states)
+
+
+def running_models(states: ReplicaStates, deployments: dict[str, str]) -> dict[str, bool]:
     """For each model, whether its deployment has at least one RUNNING replica."""
-    application = status.applications.get(app_name)
-    result = {}
-    for model, deployment in deployments.items():
-        overview = application.deployments.get(deployment) if application else None
-        running = overview.replica_states.get("RUNNING", 0) if overview else 0
-        result[model] = running > 0
-    return result
+    return {model: states.get(deployment, {}).get("RUNNING", 0) > 0 for model, deployment in deployments.items()}
 
 
 @dataclass(frozen=True)
@@ -65,10 +61,10 @@ class Readiness:
 
 @dataclass
 class ReadinessWatch:
-    """Asks ``read_status`` (blocking: ``serve.status``) in a background task, one call at a time."""
+    """Asks ``read_states`` (blocking: :func:`serve_app.serve_internals.replica_states` of the
+    application) in a background task, one call at a time."""
 
-    read_status: Callable[[], Any]
-    app_name: str
+    read_states: Callable[[], ReplicaStates]
     deployments: dict[str, str]  # model name -> deployment name
     max_age_s: float
     refresh_s: float = REFRESH_S
@@ -87,8 +83,8 @@ class ReadinessWatch:
         failing = False
         while True:
             try:
-                status = await asyncio.to_thread(self.read_status)  # the only call in flight
-                self._models = running_models(status, self.app_name, self.deployments)
+                states = await asyncio.to_thread(self.read_states)  # the only call in flight
+                self._models = running_models(states, self.deployments)
                 self._fetched_at = time.monotonic()
                 failing = False
             except Exception as exc:

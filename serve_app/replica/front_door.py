@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, Protocol
 
 from ray import serve
@@ -31,6 +32,7 @@ from serve_app.ingress.routes import build_http_app
 from serve_app.ingress.settings import ingress_settings
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.replica.deployment import ModelServer
+from serve_app.serve_internals import replica_states
 
 GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[Answer, None]]
 
@@ -162,8 +164,7 @@ class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: 
         slots = generation_slots(model, config)
         self.settings = replace(ingress_settings(config, rate_limiter), generation_slots=slots)
         self.readiness = ReadinessWatch(
-            serve.status,
-            serve.get_replica_context().app_name,
+            partial(replica_states, serve.get_replica_context().app_name),
             {model.name: model.deployment_name},
             max_age_s=config.ingress.health_max_age_s,
         )

@@ -184,17 +184,6 @@ def test_served_model_name_comes_from_name():
         parse_app_config(minimal(engine_args={"model": "m", "served_model_name": "x"}))
 
 
-def test_two_models_get_two_deployments():
-    args = {
-        "models": [
-            {"name": "glm-4-9b-chat", "engine_args": {"model": "a", "max_num_seqs": 8}},
-            {"name": "glm-4-9b-chat-1m", "engine_args": {"model": "b", "max_num_seqs": 8}},
-        ]
-    }
-    names = [m.deployment_name for m in parse_app_config(args).models]
-    assert names == ["model-glm-4-9b-chat", "model-glm-4-9b-chat-1m"]
-
-
 def test_engine_and_frontend_arguments_are_split():
     engine, frontend = split_engine_args(
         {"model": "m", "max_model_len": 8, "chat_template": "t.jinja", "enable_auto_tool_choice": True}

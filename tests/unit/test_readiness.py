@@ -7,49 +7,27 @@ import logging
 import threading
 
 import pytest
-from ray.serve._private.common import ReplicaState
-from ray.serve.schema import (
-    ApplicationStatusOverview,
-    DeploymentStatusOverview,
-    ServeStatus,
-)
 
 from serve_app.ingress.readiness import Readiness, ReadinessWatch, running_models
 from tests.waiting import wait_until
-
-
-def overview(**states: int) -> DeploymentStatusOverview:
-    return DeploymentStatusOverview(
-        status="HEALTHY",
-        status_trigger="CONFIG_UPDATE_COMPLETED",
-        replica_states={ReplicaState(name): count for name, count in states.items()},
-        message="",
-    )
-
-
-def status_with(deployments: dict) -> ServeStatus:
-    app = ApplicationStatusOverview(status="RUNNING", message="", last_deployed_time_s=0.0, deployments=deployments)
-    return ServeStatus(applications={"glm": app})
-
 
 DEPLOYMENTS = {"glm-4-9b-chat": "model-glm-4-9b-chat", "second": "model-second"}
 
 
 def test_model_with_a_running_replica_is_up_and_one_without_is_down():
-    status = status_with({"model-glm-4-9b-chat": overview(RUNNING=1, STARTING=1), "model-second": overview(STARTING=1)})
-    assert running_models(status, "glm", DEPLOYMENTS) == {"glm-4-9b-chat": True, "second": False}
+    states = {"model-glm-4-9b-chat": {"RUNNING": 1, "STARTING": 1}, "model-second": {"STARTING": 1}}
+    assert running_models(states, DEPLOYMENTS) == {"glm-4-9b-chat": True, "second": False}
 
 
 def test_missing_deployment_or_application_is_down():
-    assert running_models(status_with({}), "glm", DEPLOYMENTS) == {"glm-4-9b-chat": False, "second": False}
-    assert running_models(ServeStatus(), "glm", DEPLOYMENTS) == {"glm-4-9b-chat": False, "second": False}
+    assert running_models({}, DEPLOYMENTS) == {"glm-4-9b-chat": False, "second": False}
 
 
-RUNNING_STATUS = status_with({"model-glm-4-9b-chat": overview(RUNNING=1), "model-second": overview(RUNNING=2)})
+RUNNING_STATUS = {"model-glm-4-9b-chat": {"RUNNING": 1}, "model-second": {"RUNNING": 2}}
 
 
 class Controller:
-    """Stands in for ``serve.status``: answers at once, or stalls until released."""
+    """Stands in for ``serve_internals.replica_states``: answers at once, or stalls until released."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -87,7 +65,7 @@ def watches():
 @pytest.fixture
 def watch_of(watches):
     def make(controller: Controller, max_age_s: float = 30.0) -> ReadinessWatch:
-        watch = ReadinessWatch(controller, "glm", DEPLOYMENTS, max_age_s=max_age_s, refresh_s=0.01)
+        watch = ReadinessWatch(controller, DEPLOYMENTS, max_age_s=max_age_s, refresh_s=0.01)
         watches.append(watch)
         return watch
 

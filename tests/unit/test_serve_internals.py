@@ -75,3 +75,15 @@ def test_serve_refuses_an_ingress_request_router_without_the_haproxy_flag_the_ap
 
 def test_ray_exports_metrics_at_the_interval_the_kept_gauges_read() -> None:
     assert serve_internals.metrics_export_interval_s() == max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+
+
+def test_replica_states_read_the_dict_serve_status_parses() -> None:
+    """serve.status() builds its models from the controller's details; replica_states reads the same
+    replicas' states from that dict without building them."""
+    from ray.serve import api
+
+    source = inspect.getsource(api.status)
+    assert "ServeInstanceDetails(**client.get_serve_details())" in source
+    from ray.serve.schema import DeploymentDetails, ReplicaDetails
+
+    assert "replicas" in DeploymentDetails.model_fields and "state" in ReplicaDetails.model_fields
