@@ -82,7 +82,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-unit: install $(SCAN_STAMP)
+unit: install tiny-model $(SCAN_STAMP) prometheus
 	$(BIN)/python -m pytest -v -m "not e2e"
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus

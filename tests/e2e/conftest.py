@@ -38,8 +38,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
-    # Tests that change the shared app (replica counts, its config) run last.
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    # The unit tests first, before the suite's cluster starts (nothing idles meanwhile, and no
+    # unit test runs with RAY_ADDRESS pointing at it); then the end-to-end tests, those that
+    # replace the CPU app's replica (disruptive) last.
+    items.sort(
+        key=lambda item: (item.get_closest_marker("e2e") is not None, item.get_closest_marker("disruptive") is not None)
+    )
 
 
 def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path) -> None:

@@ -27,8 +27,13 @@ from tools.cluster_env import cluster_env
 START_TIMEOUT_S = 120
 
 # Ray's metrics export interval in the suite's cluster (production: Ray's default, 10 s). The
-# tests that read metrics wait for an interval or two; they read it from here.
-METRICS_REPORT_S = 2.0
+# tests that read metrics wait for an interval or two; they read it from here. Ray's agent drops
+# a gauge not exported for two intervals: at 2 s, series of idle replicas flickered out under the
+# suite's load (a loaded process exports late), so 5 s.
+METRICS_REPORT_S = 5.0
+# Logical CPUs of the suite's head: its applications' replicas ask for fractions of a CPU, and
+# they (eleven model replicas, four more in one test) do not fit the machine's 2.
+HEAD_LOGICAL_CPUS = 4
 # Serve's production timers that the suite's cluster shortens, so no test waits on them
 # (deploy/cluster.env and the shipped configs keep the production values):
 SUITE_TIMERS = {
@@ -125,6 +130,8 @@ class RayCluster:
                 "start",
                 "--head",
                 "--block",
+                "--num-cpus",
+                str(HEAD_LOGICAL_CPUS),
                 "--disable-usage-stats",
                 "--temp-dir",
                 str(self.root / "ray"),

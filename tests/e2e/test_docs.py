@@ -30,13 +30,37 @@ async def test_the_readmes_curl_streams_an_answer_with_its_usage(app):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
 
 
+# Run around the README's snippet: the SDK's stream iterator records each chunk it yields, and
+# the chunks' text and last finish reason are printed after the snippet's own output.
+COUNTING_PROLOGUE = """
+import openai
+_chunks = []
+_iterate = openai.Stream.__iter__
+def _recording(self):
+    for _chunk in _iterate(self):
+        _chunks.append(_chunk)
+        yield _chunk
+openai.Stream.__iter__ = _recording
+"""
+COUNTING_EPILOGUE = """
+import json
+_text = "".join(c.choices[0].delta.content or "" for c in _chunks if c.choices)
+_reasons = [c.choices[0].finish_reason for c in _chunks if c.choices and c.choices[0].finish_reason]
+print("\\n" + json.dumps({"chunks": len(_chunks), "text": _text, "finish": _reasons}))
+"""
+
+
 async def test_the_readmes_openai_client_streams_an_answer_without_error(app):
     code = block_starting("README.md", "from openai import OpenAI").text.replace(README_URL, app.url)
-    done = await asyncio.to_thread(run, [sys.executable, "-c", code])
-    assert done.returncode == 0, done.stderr
-    # It printed the answer's text as it streamed (the tiny model's noise, empty when its first
-    # token is a stop token), and the SDK met nothing it could not parse.
-    assert done.stderr == ""
+    done = await asyncio.to_thread(run, [sys.executable, "-c", COUNTING_PROLOGUE + code + COUNTING_EPILOGUE])
+    assert done.returncode == 0 and done.stderr == "", done.stderr  # the SDK met nothing it could not parse
+    printed, _, record = done.stdout.rstrip("\n").rpartition("\n")
+    streamed = json.loads(record)
+    # It streamed an answer (the role's chunk, then tokens) that ended once, and printed its text
+    # as it came (the tiny model's noise, empty when its first token is a stop token).
+    assert streamed["chunks"] >= 2 and streamed["finish"] in (["stop"], ["length"]), streamed
+    as_read = streamed["text"].replace("\r\n", "\n").replace("\r", "\n")  # (text mode's newlines)
+    assert printed == as_read, (printed, streamed)
 
 
 async def test_the_grpc_docs_client_streams_an_answer_and_its_final_response(app):

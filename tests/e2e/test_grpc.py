@@ -29,7 +29,7 @@ from tests.e2e.bodies import LONG, grpc_chat
 from tests.e2e.grpc_calls import call, channel, ends_once
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
 
-CONCURRENT = 64
+CONCURRENT = 16  # concurrent calls; 64 concurrent exact lengths over HTTP: test_concurrency.py
 TOKENS = 16
 
 

@@ -36,8 +36,9 @@ STREAMS = 16
 async def test_each_streams_first_token_arrives_while_generation_still_runs(bed):
     """Streams are streamed, not delivered whole: no layer between engine and socket buffers them.
 
-    Sixteen equal long streams start together and end together. The client numbers what it
-    reads in order of arrival: every stream's first token must come before any stream's end.
+    Sixteen equal long streams, admitted while the engine is paused, start together and end
+    together. The client numbers what it reads in order of arrival: every stream's first token
+    must come before any stream's end.
     A layer that held chunks back until an answer ended would deliver each stream's first
     token with its end, after the first end.
     """
@@ -58,7 +59,12 @@ async def test_each_streams_first_token_arrives_while_generation_still_runs(bed)
                         return first_token, next(arrivals)
             raise AssertionError("a stream ended without [DONE]")
 
-        results = await asyncio.gather(*(one() for _ in range(STREAMS)))
+        # All admitted before any runs (the engine paused meanwhile), so they start together
+        # whatever the client's host: the order compared is the engine's, not the client's.
+        async with bed.engines.paused():
+            streams = [asyncio.create_task(one()) for _ in range(STREAMS)]
+            await bed.engines.wait_until_holding(STREAMS)
+        results = await asyncio.gather(*streams)
     first_end = min(end for _, end in results)
     assert all(0 <= first < first_end for first, _ in results), sorted(results)
 

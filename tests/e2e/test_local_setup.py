@@ -51,9 +51,9 @@ def test_serve_status_needs_the_token_and_works_with_it(app, ray_cluster):
     assert ray_status.returncode == 0 and "Active:" in ray_status.stdout, ray_status.stderr
 
 
-def test_the_ready_line_names_the_url_and_the_models_of_each_app(app, sim_app):
+def test_the_ready_line_names_the_url_and_the_models_of_each_app(app, serving):
     ready = run([sys.executable, "-m", "tools.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
     assert ready.returncode == 0, ready.stderr
     assert ready.stdout.splitlines() == [
-        f"ready: {a.url}/v1 serves {a.model} (Ctrl-C stops it)" for a in (app, sim_app)
+        f"ready: {a.url}/v1 serves {a.model} (Ctrl-C stops it)" for a in serving.values()
     ]

@@ -22,6 +22,7 @@ from serve_app.ingress.deadlines import DeadlineExceeded, next_before
 from serve_app.observability.record import ObserveRequests, RequestRecord
 from serve_app.protocol import Reply
 from serve_app.replica.front_door import LocalModel
+from tests.waiting import wait_until
 
 
 def held_app(release: asyncio.Event, entered: list[str], limit: int) -> Starlette:
@@ -45,8 +46,7 @@ async def test_past_its_limit_a_generation_request_gets_the_overloaded_429_and_o
     app = held_app(release, entered, limit=2)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
         held = [asyncio.create_task(client.post("/v1/chat/completions", json={})) for _ in range(2)]
-        while len(entered) < 2:
-            await asyncio.sleep(0)
+        await wait_until(lambda: len(entered) >= 2, 10, "2 requests entered", every_s=0)
         refused = await client.post("/v1/chat/completions", json={})
         health = await client.get("/health")
         release.set()
@@ -192,12 +192,10 @@ async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_i
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as client:
         held = [asyncio.create_task(post(client, keys[0])) for _ in range(2)]
-        while len(ranks) < 2:
-            await asyncio.sleep(0)
+        await wait_until(lambda: len(ranks) >= 2, 10, "2 requests entered", every_s=0)
         refused = await post(client, keys[0])  # 2 free, both kept: a lone key holds 2 of them already
         held.append(asyncio.create_task(post(client, keys[1])))
-        while len(ranks) < 3:
-            await asyncio.sleep(0)
+        await wait_until(lambda: len(ranks) >= 3, 10, "3 requests entered", every_s=0)
         release.set()
         answers = await asyncio.gather(*held)
     assert ranks == [0, 1, 0]

@@ -66,3 +66,18 @@ def test_the_pod_monitor_scrapes_every_ray_pod_on_its_metrics_port(overlay):
         assert wanted.items() <= template["metadata"]["labels"].items()
         ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
         assert ports[endpoint["port"]] == 8080  # Ray's metrics export port on KubeRay pods
+
+
+def test_promtool_accepts_the_rules(tmp_path):
+    """Prometheus's own checker (Debian's prometheus package, `make prometheus`) reads every rule."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool is not installed: run tools/install-prometheus (make prometheus)"
+    groups = yaml.safe_load((MONITORING / "prometheus-rules.yaml").read_text())["spec"]["groups"]
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": groups}))
+    check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"SUCCESS: {sum(len(g['rules']) for g in groups)} rules found" in check.stdout
