@@ -75,7 +75,7 @@ prometheus:
 	tools/install-prometheus
 
 test: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
-	$(BIN)/python -m pytest -v --durations=15
+	$(BIN)/python -m pytest -v --durations=0
 
 lint: install
 	$(BIN)/ruff check .

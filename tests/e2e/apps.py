@@ -120,9 +120,13 @@ PRODUCTION_DRAIN_S = 30
 
 
 def variant(name: str, route: str) -> dict[str, Any]:
-    """The bed's application under another name and route."""
+    """The bed's application under another name and route, its replicas asking Ray for no CPU (the
+    simulated engine costs little), so that the bed's own (up to 4, in one test) and the CPU apps'
+    still fit the suite's 2 logical CPUs."""
     app = bed_application()
     app["name"], app["route_prefix"] = name, route
+    (model,) = app["args"]["models"]
+    model["deployment"]["ray_actor_options"] = {"num_cpus": 0}
     return app
 
 
@@ -191,21 +195,17 @@ def quantised_application() -> dict[str, Any]:
     return app
 
 
-# vLLM's CPU engine in the suite's CPU apps runs its model eagerly (vLLM's own switch for its CI)
-# rather than compiled by torch's inductor at each engine start: the same engine and kernels'
-# results, without a C++ build on the suite's two cores at every start.
-CPU_ENGINE_ENV = {"VLLM_CPU_CI_ENV": "1"}
-
-
 def suite_config(http_port: int, grpc_port: int, env_vars: dict[str, str], workdir: Path) -> dict[str, Any]:
     """The serve config the suite runs: the CPU app, the bed and its variants, ``env_vars`` added to each."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
     config["http_options"]["port"] = http_port
     config["grpc_options"]["port"] = grpc_port
-    cpu_apps = [cpu_application(), quantised_application()]
-    for application in cpu_apps:
-        application.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(CPU_ENGINE_ENV)
-    config["applications"] = [cpu_apps[0], bed_application(), *variant_applications(workdir), cpu_apps[1]]
+    config["applications"] = [
+        cpu_application(),
+        bed_application(),
+        *variant_applications(workdir),
+        quantised_application(),
+    ]
     for application in config["applications"]:
         application.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
     return config

@@ -31,9 +31,7 @@ START_TIMEOUT_S = 120
 # a gauge not exported for two intervals: at 2 s, series of idle replicas flickered out under the
 # suite's load (a loaded process exports late), so 5 s.
 METRICS_REPORT_S = 5.0
-# Logical CPUs of the suite's head: its applications' replicas ask for fractions of a CPU, and
-# they (eleven model replicas, four more in one test) do not fit the machine's 2.
-HEAD_LOGICAL_CPUS = 4
+
 # Serve's production timers that the suite's cluster shortens, so no test waits on them
 # (deploy/cluster.env and the shipped configs keep the production values):
 SUITE_TIMERS = {
@@ -130,8 +128,6 @@ class RayCluster:
                 "start",
                 "--head",
                 "--block",
-                "--num-cpus",
-                str(HEAD_LOGICAL_CPUS),
                 "--disable-usage-stats",
                 "--temp-dir",
                 str(self.root / "ray"),

@@ -145,10 +145,11 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
     ]:
         [series] = prometheus.query(expr)
         assert float(series["value"][1]) == 0, (expr, series)
-    # Every model replica's engine reports, also one that has not run a step.
+    # Every healthy model replica's engine reports, also one that has not run a step (a replica
+    # whose engine died may still report while Serve replaces it: at least, not exactly).
     [replicas] = prometheus.query('sum(ray_serve_deployment_replica_healthy{deployment=~"model-.*"})')
     [engines] = prometheus.query("count(ray_vllm_num_requests_running)")
-    assert engines["value"][1] == replicas["value"][1], (engines, replicas)
+    assert float(engines["value"][1]) >= float(replicas["value"][1]), (engines, replicas)
     # Events that did happen are there to see: aborts within the last minutes.
     [aborted] = prometheus.query("sum(increase(ray_glm4_serve_aborted_requests_total[2m]))")
     assert float(aborted["value"][1]) > 0

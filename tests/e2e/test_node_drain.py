@@ -51,7 +51,7 @@ SLOT = "drain_test_slot"  # one per extra node; each model replica of the drain 
 HELD_EACH = 4  # streams each replica holds when node A is drained
 MAX_STREAMS = 32  # sent one by one until each holds HELD_EACH: the model's limit is 64 each
 AFTER_STOP = 8  # unary requests sent once Serve is stopping the drained node's replica
-STOP_S = 45  # the drain app's graceful_shutdown_timeout_s (= its ingress.request_timeout_s)
+STOP_S = 120  # the drain app's graceful_shutdown_timeout_s (= its ingress.request_timeout_s)
 GRACE_S = STOP_S + 5  # the hook's grace: Serve stops the replica at the deadline minus STOP_S
 MODEL = DeploymentName("drain", "model-glm-4-9b-chat")
 MODEL_NAME = "glm-4-9b-chat"  # what the bed serves, and so the drain app
@@ -74,7 +74,7 @@ def drain_app(base: dict[str, Any]) -> dict[str, Any]:
     deployment["ray_actor_options"] = {"num_cpus": 0, "resources": {SLOT: 1}}
     deployment["graceful_shutdown_timeout_s"] = STOP_S
     ingress = app["args"]["ingress"]
-    ingress["request_timeout_s"], ingress["first_token_timeout_s"] = STOP_S, STOP_S - 5
+    ingress["request_timeout_s"], ingress["first_token_timeout_s"] = STOP_S, 110
     return app
 
 
