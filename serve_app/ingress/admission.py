@@ -10,8 +10,8 @@ process, :mod:`serve_app.ingress.large_bodies`), routing by ``model`` (404),
 validation with vLLM's request model (:mod:`serve_app.ingress.validation`, 400),
 what the request may cost (:mod:`serve_app.ingress.request_cost`, 400), its
 grammar built first within a time limit (:mod:`serve_app.ingress.grammar_build`, 400), a
-replica place per engine sequence with its key's rank (
-:mod:`serve_app.ingress.capacity`, 429) and the key's rate limits (429).
+replica place per engine sequence with its key's rank
+(:mod:`serve_app.ingress.capacity`, 429) and the key's rate limits (429).
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
 ``settings.generation_slots``).
