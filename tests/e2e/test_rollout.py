@@ -34,7 +34,6 @@ from tests.e2e.serve_state import (
     only_one_running,
     replica_states,
     serve_deploy,
-    serve_deploy_settled,
 )
 from tests.e2e.simulation import ready_bed
 from tests.e2e.sse import post_stream
@@ -57,8 +56,7 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, 
     keyed_app = application(config, app.name)
     keyed_app["args"]["ingress"]["api_keys"] = {"file": str(keys_file)}
     # The replica being replaced drains for Serve's production period (what this test proves no
-    # stream is cut through); its replacement drains as the suite's cluster does, so that putting
-    # the application back afterwards waits on no production timer.
+    # stream is cut through); its replacement drains as the suite's cluster does.
     keyed_app["runtime_env"]["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
     keyed = tmp_path / "with-api-keys.yaml"
     keyed.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -90,14 +88,13 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, 
     print(f"rolled out in {took:.0f} s; {len(results)} streams ran through it")
     assert results and not incomplete, f"{len(incomplete)} of {len(results)} streams were cut: {incomplete[:5]}"
 
-    try:
-        await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
-        _check_keys_are_required(app)
-        await _check_grpc_calls_need_a_key(app)
-        await _check_rotation(app, keys_file)
-        _check_no_key_is_logged(app)
-    finally:
-        await serve_deploy_settled(app.config_path, cluster)  # the application without keys again
+    # The application is this test's own and stays keyed: no test uses it after, and its
+    # replacement drains as the suite's cluster does (the suite's stop waits on no production timer).
+    await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
+    _check_keys_are_required(app)
+    await _check_grpc_calls_need_a_key(app)
+    await _check_rotation(app, keys_file)
+    _check_no_key_is_logged(app)
 
 
 def _check_keys_are_required(app) -> None:
