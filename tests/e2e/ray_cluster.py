@@ -41,6 +41,11 @@ SUITE_TIMERS = {
     # production value in its own application (it proves no stream is cut while replaced).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "RAY_metrics_report_interval_ms": str(int(METRICS_REPORT_S * 1000)),
+    # A node sent SIGTERM first drains for up to this long (Ray's default: 30 s), so that a pod's
+    # Serve replicas leave before its processes go. The suite stops a node only after the Serve
+    # applications on it are gone (the node-drain test drains its node with the pod's hook), and
+    # a drain with nothing left to move still waited out the 30 s at the suite's stop.
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
 }
 
 

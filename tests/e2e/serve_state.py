@@ -51,6 +51,15 @@ async def serve_deploy(config: Path, dashboard_url: str) -> None:
     await asyncio.to_thread(ServeSubmissionClient(dashboard_url).deploy_applications, body)
 
 
+async def serve_deploy_kept(config: Path, suite_config: Path, dashboard_url: str) -> None:
+    """Deploy ``config``, a change to an application that a test leaves as it is (one no later test
+    uses), and make it the suite's config from now on: a later test that restores the suite's
+    applications (:func:`serve_deploy_settled` of ``suite_config``) then keeps the change rather
+    than rolling that application back."""
+    suite_config.write_text(config.read_text())
+    await serve_deploy(suite_config, dashboard_url)
+
+
 async def serve_deploy_settled(config: Path, dashboard_url: str, within_s: float = SETTLE_S) -> None:
     """``serve deploy`` the config and wait until it is what runs: its applications, and no others, settled.
 

@@ -28,11 +28,7 @@ import yaml
 
 from tests.e2e.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.bodies import chat
-from tests.e2e.serve_state import (
-    only_one_running,
-    serve_deploy,
-    serve_deploy_settled,
-)
+from tests.e2e.serve_state import only_one_running, serve_deploy_kept
 from tests.e2e.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
@@ -115,16 +111,14 @@ async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_with
     ingress["rate_limits"]["deployment"] = {"ray_actor_options": {"resources": {"nowhere": 1}}}
     unplaceable = tmp_path / "limiter-unplaceable.yaml"
     unplaceable.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy(unplaceable, cluster)
-    try:
+    # The application is this test's own: it stays so (no test uses it after).
+    await serve_deploy_kept(unplaceable, bed.app.config_path, cluster)
 
-        async def replaced() -> bool:
-            return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before
+    async def replaced() -> bool:
+        return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before
 
-        await wait_until(replaced, 120, "the model replica replaced, the limiter left pending")
-        await _two_at_once_then_refused(bed)
-    finally:
-        await serve_deploy_settled(bed.app.config_path, cluster)  # the limiter placed again
+    await wait_until(replaced, 120, "the model replica replaced, the limiter left pending")
+    await _two_at_once_then_refused(bed)
 
 
 async def _two_at_once_then_refused(bed) -> None:

@@ -1,9 +1,9 @@
 """A GPU worker pod's preStop hook, on real Ray: the node drains and no stream is cut.
 
-Two more Ray nodes join the suite's cluster on this machine, standing in for two GPU
-worker pods. A third application (``drain``: the bed's application, under ``/drain``)
-puts one model replica on each: each node has one unit of a custom resource that each
-replica needs. Its streams are admitted while both (simulated) engines are paused, one
+One more Ray node (node A) joins the suite's cluster on this machine, standing in for a
+GPU worker pod; the head stands in for a second. An application of the test's own
+(``drain``: the bed's application, under ``/drain``) puts one model replica on each
+(Serve's ``max_replicas_per_node: 1``). Its streams are admitted while both (simulated) engines are paused, one
 by one until each replica holds four, so that a known share of them is held by the
 replica on node A when the hook (``python -m serve_app.node_drain``, as the pod runs
 it) drains node A. Serve stops
@@ -13,8 +13,8 @@ still paused, so nothing can leave it), then the engines resume: every stream an
 every request completes, and the hook returns once no Serve actor is left on node A,
 not at the end of its grace period.
 
-Serve cannot place a replacement here (node B's one unit is taken; a draining node gets
-nothing new), which is the case of a GPU cluster with no free GPU: the replica is then
+Serve cannot place a replacement here (the head holds its one replica; a draining node
+gets nothing new), which is the case of a GPU cluster with no free GPU: the replica is then
 stopped at the drain's deadline minus its graceful_shutdown_timeout_s, so the hook's
 grace is set just above that timeout.
 """
@@ -47,7 +47,6 @@ from tests.e2e.serve_state import (
 from tests.e2e.simulation import SimulatedEngines
 from tests.waiting import wait_until
 
-SLOT = "drain_test_slot"  # one per extra node; each model replica of the drain app needs one
 HELD_EACH = 4  # streams each replica holds when node A is drained
 MAX_STREAMS = 32  # sent one by one until each holds HELD_EACH: the model's limit is 64 each
 AFTER_STOP = 8  # unary requests sent once Serve is stopping the drained node's replica
@@ -58,7 +57,7 @@ MODEL_NAME = "glm-4-9b-chat"  # what the bed serves, and so the drain app
 
 
 def drain_app(base: dict[str, Any]) -> dict[str, Any]:
-    """The bed's application under another name and route, its two model replicas placed by SLOT
+    """The bed's application under another name and route, its two model replicas on two nodes
     and chosen by load (Serve's default router).
 
     Requests stay held for seconds here, so the first-token limit is longer than the bed's.
@@ -71,7 +70,8 @@ def drain_app(base: dict[str, Any]) -> dict[str, Any]:
     model["prefix_routing"] = {"enabled": False}
     deployment = model["deployment"]
     deployment["num_replicas"] = 2
-    deployment["ray_actor_options"] = {"num_cpus": 0, "resources": {SLOT: 1}}
+    deployment["ray_actor_options"] = {"num_cpus": 0}  # node A offers none
+    deployment["max_replicas_per_node"] = 1
     deployment["graceful_shutdown_timeout_s"] = STOP_S
     ingress = app["args"]["ingress"]
     ingress["request_timeout_s"], ingress["first_token_timeout_s"] = STOP_S, 110
@@ -97,12 +97,12 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
     both["applications"].append(drain_app(application(config, app.name)))
     both_path = tmp_path / "with-drain-app.yaml"
     both_path.write_text(yaml.safe_dump(both, sort_keys=False))
-    node_a = RayNode(ray_cluster, "a", {SLOT: 1, "drain_test_node_a": 1})
-    node_b = RayNode(ray_cluster, "b", {SLOT: 1, "drain_test_node_b": 1})
+    # Every Serve application has a router replica on each node that holds a replica (Serve's
+    # ingress request router): a second extra node would start one of each application's.
+    node_a = RayNode(ray_cluster, "a", {"drain_test_node_a": 1})
     hook: asyncio.subprocess.Process | None = None
     try:
         a_id = await asyncio.to_thread(node_a.start)
-        await asyncio.to_thread(node_b.start)
         await serve_deploy(both_path, cluster)
         await wait_until(lambda: running(MODEL, 2), 120, "the drain app's two model replicas running, one per node")
         replicas = await live_replicas(MODEL)
@@ -177,7 +177,6 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
             hook.kill()
         await serve_deploy_settled(app.config_path, cluster)  # the drain app goes
         await asyncio.to_thread(node_a.stop)
-        await asyncio.to_thread(node_b.stop)
 
 
 async def _stopping() -> bool:

@@ -33,7 +33,7 @@ from tests.e2e.serve_state import (
     DeploymentName,
     only_one_running,
     replica_states,
-    serve_deploy,
+    serve_deploy_kept,
 )
 from tests.e2e.simulation import ready_bed
 from tests.e2e.sse import post_stream
@@ -76,7 +76,7 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, 
         workers = [asyncio.create_task(stream_until_rolled_out()) for _ in range(16)]
         try:
             started = time.monotonic()
-            await serve_deploy(keyed, cluster)
+            await serve_deploy_kept(keyed, app.config_path, cluster)  # the application is this test's own
             # A replacement starts next to the old replica (max_surge_percent), then the old one drains.
             await wait_until(lambda: _replacing(model), 60, "replacing the replica")
             await wait_until(lambda: only_one_running(model), 300, "rolled out to the new config")
