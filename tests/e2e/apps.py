@@ -117,6 +117,10 @@ REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = 12, 1200
 TAKES, QUEUES = 2, 2
 # Serve's production drain of a stopping HAProxy-fronted replica (the suite's cluster drains 1 s).
 PRODUCTION_DRAIN_S = 30
+# What glm-autoscaled changes in deploy/config.sim.yaml's autoscaling: from one replica, and the
+# shipped 10 s upscale delay with a 10 s downscale delay (not 60 s) and look-back (Serve's
+# default: 30 s), so that it scales out and back within the test.
+AUTOSCALED = {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10, "look_back_period_s": 10}
 
 
 def variant(name: str, route: str) -> dict[str, Any]:
@@ -149,7 +153,10 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       test replaces while streams run (test_rollout);
     - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
       (test_direct_streaming);
-    - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing).
+    - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing);
+    - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
+      (test_autoscale), with AUTOSCALED's shorter delays and look-back so that it scales out and
+      back within the test.
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
@@ -173,7 +180,11 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     (model,) = prefix["args"]["models"]
     assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix
     model["deployment"]["num_replicas"] = 2
-    return [keyed, limited, rate_limited, rollout, direct, prefix]
+    autoscaled = variant("glm-autoscaled", "/autoscaled")
+    (model,) = autoscaled["args"]["models"]
+    del model["deployment"]["num_replicas"]
+    model["deployment"]["autoscaling_config"] = bed_autoscaling() | AUTOSCALED
+    return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
 
 
 QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it

@@ -41,6 +41,9 @@ SUITE_TIMERS = {
     # production value in its own application (it proves no stream is cut while replaced).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "RAY_metrics_report_interval_ms": str(int(METRICS_REPORT_S * 1000)),
+    # Each replica reports its ongoing requests to Serve's autoscaler this often (Serve's default:
+    # 10 s); glm-autoscaled's look-back is 10 s (tests/e2e/apps.py).
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
     # A node sent SIGTERM first drains for up to this long (Ray's default: 30 s), so that a pod's
     # Serve replicas leave before its processes go. The suite stops a node only after the Serve
     # applications on it are gone (the node-drain test drains its node with the pod's hook), and

@@ -8,9 +8,9 @@ admitted on to the other replicas until Serve, whose health checks of it fail, s
 its engine's death leaves its process running).
 No other replica dies.
 
-The bed runs one replica; this test deploys the bed with the shipped autoscaling_config (from
-1 replica, and with a 10 s downscale delay in place of 60 s, so that it comes back within the
-test), then the bed as it was.
+The suite's ``glm-autoscaled`` application runs it: the bed with the shipped
+autoscaling_config from one replica, and shorter downscale delay and look-back
+(tests/e2e/apps.py, AUTOSCALED), so that it comes back within the test.
 """
 
 from __future__ import annotations
@@ -21,24 +21,19 @@ from pathlib import Path
 
 import httpx
 import ray
-import yaml
 from ray.exceptions import ActorDiedError
 
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import BED_REPLACES_S, application, bed_autoscaling
+from tests.e2e.apps import AUTOSCALED, BED_REPLACES_S, bed_autoscaling
 from tests.e2e.bodies import chat
 from tests.e2e.serve_state import (
-    SETTLE_S,
-    DeploymentName,
     death_reason,
-    deployment_details,
     ongoing_at,
     request_log_lines,
     running_replica_actors,
-    serve_deploy,
-    serve_deploy_settled,
     single_replica,
 )
+from tests.e2e.simulation import ready_bed
 from tests.waiting import wait_until
 
 # Users that each send one answer after another: twice as many as one replica runs at once
@@ -61,23 +56,8 @@ def user_client(url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
 
 
-async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(bed, cluster, tmp_path):
-    app = bed.app
-    config = yaml.safe_load(app.config_path.read_text())
-    scaling = bed_autoscaling() | {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10}
-    deployment = application(config, app.name)["args"]["models"][0]["deployment"]
-    del deployment["num_replicas"]
-    deployment["autoscaling_config"] = scaling
-    autoscaled = tmp_path / "bed-autoscaled.yaml"
-    autoscaled.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy(autoscaled, cluster)
-    # Rolled out before the load: an outgoing replica counts as running until Serve stops
-    # it, and the replica whose engine fails must not be the only one left running.
-    await wait_until(lambda: rolled_out(bed.model, scaling), SETTLE_S, "the autoscaled deployment at one replica")
-    try:
-        await scale_out_fail_one_and_scale_back(bed, scaling)
-    finally:
-        await serve_deploy_settled(app.config_path, cluster)  # the bed as it was: one replica
+async def test_scales_out_under_load_an_engine_death_stays_local_and_scales_back(variants, cluster):
+    await scale_out_fail_one_and_scale_back(await ready_bed(variants["glm-autoscaled"]), bed_autoscaling() | AUTOSCALED)
 
 
 async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
@@ -170,17 +150,6 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
         f"{len(answered)} answers in all; {len(engine_failed)} held by the engine that failed got one error each "
         f"and never reached another replica; back to {scaling['min_replicas']} replica in {back:.0f} s"
     )
-
-
-async def rolled_out(deployment: DeploymentName, scaling: dict) -> bool:
-    """The deployment runs autoscaled as ``scaling`` says (the bed has no autoscaling_config), on
-    one running replica and nothing else, healthy."""
-    details = await deployment_details(deployment)
-    if details is None or details["status"] != "HEALTHY":
-        return False
-    deployed = details["deployment_config"].get("autoscaling_config") or {}
-    states = [replica["state"] for replica in details["replicas"]]
-    return deployed.get("downscale_delay_s") == scaling["downscale_delay_s"] and states == ["RUNNING"]
 
 
 def where_they_went(unexpected: dict[str, str], session_dir: str, app_name: str) -> str:

@@ -33,11 +33,11 @@ async def four_replicas(sim_app, cluster, tmp_path_factory):
     application(config, sim_app.name)["args"]["models"][0]["deployment"]["num_replicas"] = REPLICAS
     path = tmp_path_factory.mktemp("four") / "bed-with-4-replicas.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy_settled(path, cluster)
+    await serve_deploy_settled(path, cluster, settled={sim_app.name})
     try:
         yield sim_app
     finally:
-        await serve_deploy_settled(sim_app.config_path, cluster)
+        await serve_deploy_settled(sim_app.config_path, cluster, settled={sim_app.name})
 
 
 async def test_the_simulated_app_says_it_is_simulated(four_replicas):
