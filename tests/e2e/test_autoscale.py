@@ -40,7 +40,9 @@ from tests.waiting import wait_until
 # (max_ongoing_requests 64), so Serve counts about 128 ongoing requests, well past the target
 # (48 per replica).
 CLIENTS = 128
-TOKENS = 128
+# Long enough answers that the clients send few requests a second: under 128 clients sending
+# 128-token answers, the suite's 2 cores went to HTTP and a new replica took over 30 s to start.
+TOKENS = 512
 HELD_AT_DEATH = 8  # the failing replica holds at least this many requests when its engine fails
 AFTER_DEATH = 32
 

@@ -28,9 +28,13 @@ STREAMS = 256
 
 @pytest.fixture(scope="module")
 async def four_replicas(sim_app, cluster, tmp_path_factory):
-    """The bed with 4 model replicas (a lightweight update: the running one stays); 1 again after."""
+    """The bed with 4 model replicas, 1 again after: set in Serve's own ``deployments`` overrides of
+    the application, a lightweight update (the running replica stays). Serve counts an
+    application's ``args`` as its code, so the same change in ``args`` (models[].deployment)
+    would replace every replica (docs/operations.md)."""
     config = yaml.safe_load(sim_app.config_path.read_text())
-    application(config, sim_app.name)["args"]["models"][0]["deployment"]["num_replicas"] = REPLICAS
+    bed = application(config, sim_app.name)
+    bed["deployments"] = [{"name": sim_app.model_deployment, "num_replicas": REPLICAS}]
     path = tmp_path_factory.mktemp("four") / "bed-with-4-replicas.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     await serve_deploy_settled(path, cluster, settled={sim_app.name})
