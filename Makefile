@@ -74,8 +74,10 @@ serve: install tiny-model
 prometheus:
 	tools/install-prometheus
 
+# The unit tests on both cores, then the end-to-end tests (one Ray cluster of their own, shared).
 test: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
-	$(BIN)/python -m pytest -v --durations=0
+	$(BIN)/python -m pytest -v --durations=0 -m "not e2e" -n 2
+	$(BIN)/python -m pytest -v --durations=0 -m e2e
 
 lint: install
 	$(BIN)/ruff check .
@@ -83,7 +85,7 @@ lint: install
 	$(BIN)/mypy
 
 unit: install tiny-model $(SCAN_STAMP) prometheus
-	$(BIN)/python -m pytest -v -m "not e2e"
+	$(BIN)/python -m pytest -v -m "not e2e" -n 2
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus
 	$(BIN)/python -m pytest -v -m e2e
