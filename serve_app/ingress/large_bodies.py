@@ -12,7 +12,10 @@ unpickling it (:class:`serve_app.protocol.PickledRequest`).
 The same process builds every request's structured-output grammar first, under a
 time limit (:mod:`serve_app.ingress.grammar_build`): one job runs at a time, so the
 limit counts only the build, and a build past it costs the process, which is killed
-and started again.
+and started again. Each checker is forked from a forkserver that has imported vLLM's
+request models and grammar backend once (:data:`CHECKER_PRELOAD`): a killed checker is
+replaced in well under a second, where a fresh process spends seconds of CPU importing
+vLLM again, so a grammar past its limit costs the replica its limit and little more.
 
 At most :data:`MAX_WAITING` large bodies and :data:`MAX_WAITING_GRAMMARS` grammars are
 checked or waiting per ingress replica; more are refused with 429, so a flood of them
@@ -50,6 +53,13 @@ MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
 # Grammars being built or waiting, per ingress replica: small jobs (milliseconds, at most a time limit),
 # as many as structured-output requests arrive, all waiting for the process on its first start.
 MAX_WAITING_GRAMMARS = 64
+# What every checker imports before its first job: the forkserver imports these once per replica.
+CHECKER_PRELOAD = (
+    "serve_app.ingress.large_bodies",
+    "serve_app.vllm_internals",
+    "vllm.entrypoints.openai.chat_completion.protocol",
+    "vllm.entrypoints.openai.completion.protocol",
+)
 # What the ingress checks after validation (routing, output ceiling, choices, extensions), copied out of the
 # body; what the rest costs is measured there (serve_app.ingress.request_cost.measure).
 CHECKED_FIELDS = (
@@ -100,6 +110,15 @@ def _warm_up() -> None:
     import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401
 
     warm_up_grammars()
+
+
+def checker_context() -> multiprocessing.context.BaseContext:
+    """Python's forkserver, preloaded with :data:`CHECKER_PRELOAD`. Not a fork of the replica itself,
+    which runs threads (Ray's, the readiness watch): the forkserver starts as a fresh process, as
+    spawn would, and forks only itself."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(CHECKER_PRELOAD))  # read when the forkserver first starts
+    return context
 
 
 @dataclass
@@ -204,10 +223,7 @@ class BodyChecker:
             turn.exception()  # retrieved here too: its client may have left
 
     async def _start(self) -> tuple[ProcessPoolExecutor, int]:
-        # spawn, not fork: the ingress process runs threads (Ray's, the readiness watch).
-        pool = ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=self._warm
-        )
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=checker_context(), initializer=self._warm)
         try:
             pid = await asyncio.wrap_future(pool.submit(os.getpid))  # once warm: a time limit does not count the start
         except BaseException:

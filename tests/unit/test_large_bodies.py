@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import pickle
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel
 from serve_app.config import IngressConfig
 from serve_app.errors import APIError
 from serve_app.ingress.large_bodies import (
+    CHECKER_PRELOAD,
     LARGE_BODY_BYTES,
     MAX_WAITING,
     MAX_WAITING_GRAMMARS,
@@ -223,6 +225,32 @@ async def test_a_build_past_its_limit_kills_the_process_and_another_takes_its_pl
         second = await checker_pid(checker)
         assert second != first and alive(second)
         await checker.build_grammar(b"quick", 0.2, "structured_outputs")
+    finally:
+        checker.close()
+
+
+def answer_with_parent_and_imports(request_model: type, raw: bytes, to_json: object = None) -> APIError:
+    """The checker's parent process and which of CHECKER_PRELOAD it holds (it ran no warm-up)."""
+    held = [name for name in CHECKER_PRELOAD if name in sys.modules]
+    return APIError(400, json.dumps({"parent": os.getppid(), "preloaded": held}))
+
+
+async def test_a_killed_checker_is_replaced_by_a_fork_that_has_vllm_imported_already():
+    """Both checkers are forked by one forkserver (not this process) holding vLLM's request models and
+    grammar backend: the replacement imports nothing before its first job (a fresh process spends
+    seconds of CPU on vLLM's imports)."""
+    checker = BodyChecker(answer_with_parent_and_imports, warm=None, build=build_until_killed)
+    try:
+        seen = []
+        for _ in range(2):
+            with pytest.raises(APIError) as answered:
+                await checker.check(BaseModel, b"")
+            seen.append(json.loads(answered.value.message))
+            with pytest.raises(APIError):
+                await checker.build_grammar(b"forever", 0.2, "structured_outputs")
+        first, second = seen
+        assert first["parent"] == second["parent"] != os.getpid()
+        assert first["preloaded"] == second["preloaded"] == list(CHECKER_PRELOAD)
     finally:
         checker.close()
 
