@@ -187,6 +187,12 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
 
 
+# The applications a few modules use, each removed once no test still to run names it in its
+# module's ``applications`` marker (conftest.py); the CPU app and the bed stay to the end.
+RETIRABLE = frozenset(
+    {"glm-keyed", "glm-limited", "glm-rate-limited", "glm-rollout", "direct", "prefix", "glm-autoscaled", "glm-w4a16"}
+)
+
 QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
 
 

@@ -17,16 +17,16 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import BED_NAME, REPO, RunningApp, suite_config
+from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, RunningApp, suite_config
 from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
-from tests.e2e.serve_state import DeploymentName, single_replica
+from tests.e2e.serve_state import DeploymentName, serve_retire, single_replica
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
 from tests.waiting import wait_until_blocking
@@ -44,6 +44,45 @@ def pytest_collection_modifyitems(items):
     items.sort(
         key=lambda item: (item.get_closest_marker("e2e") is not None, item.get_closest_marker("disruptive") is not None)
     )
+
+
+def applications_used(item: pytest.Item) -> set[str]:
+    """The suite's retirable applications a test uses (its module's ``applications`` marker)."""
+    marker = item.get_closest_marker("applications")
+    return set(marker.args) if marker else set()
+
+
+_NEXT_ITEM: list[pytest.Item | None] = [None]  # the test to run after the one being torn down
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _NEXT_ITEM[0] = nextitem  # before the fixtures this test's end tears down
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """After each run of a module's tests on the suite's applications: the bed's variants and the 4-bit
+    app that no test still to run uses (their ``applications`` markers) are removed (``serve_retire``).
+    A test that uses one without saying so finds it gone: a failure, never a silent pass. (A module's
+    disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)"""
+    yield
+    items = request.session.items
+    if not any(
+        "serving" in getattr(item, "fixturenames", ())
+        for item in items
+        if getattr(item, "module", None) is request.module
+    ):
+        return  # the suite's applications are not running yet
+    following = _NEXT_ITEM[0]
+    later = items[items.index(following) :] if following is not None else []
+    needed = set().union(*(applications_used(item) for item in later))
+    serving, dashboard_url = request.getfixturevalue("serving"), request.getfixturevalue("cluster")
+    suite_config = serving[BED_NAME].config_path
+    running = {app["name"] for app in yaml.safe_load(suite_config.read_text())["applications"]}
+    retired = (RETIRABLE & running) - needed
+    if retired:
+        await serve_retire(retired, suite_config, dashboard_url)
 
 
 def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import pickle
 import uuid
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,16 @@ async def serve_deploy_kept(config: Path, suite_config: Path, dashboard_url: str
     applications (:func:`serve_deploy_settled` of ``suite_config``) then keeps the change rather
     than rolling that application back."""
     suite_config.write_text(config.read_text())
+    await serve_deploy(suite_config, dashboard_url)
+
+
+async def serve_retire(names: Set[str], suite_config: Path, dashboard_url: str) -> None:
+    """Remove applications no later test uses from the suite's config and deploy that: Serve stops
+    them while the next tests run (nothing waits for it), its controller tends fewer replicas from
+    then on, and the suite's stop has less to stop."""
+    config = yaml.safe_load(suite_config.read_text())
+    config["applications"] = [a for a in config["applications"] if a["name"] not in names]
+    suite_config.write_text(yaml.safe_dump(config, sort_keys=False))
     await serve_deploy(suite_config, dashboard_url)
 
 

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import ray
 from ray.exceptions import ActorDiedError
 
@@ -35,6 +36,8 @@ from tests.e2e.serve_state import (
 )
 from tests.e2e.simulation import ready_bed
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.applications("glm-autoscaled")
 
 # Users that each send one answer after another: twice as many as one replica runs at once
 # (max_ongoing_requests 64), so Serve counts about 128 ongoing requests, well past the target

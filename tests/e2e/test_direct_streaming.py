@@ -42,6 +42,8 @@ from tests.e2e.sse import post_stream
 from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.applications("direct", "prefix")
+
 NAME, ROUTE = "direct", "/direct"
 # How long HAProxy waits for a POST's body on this path by Serve's default
 # (RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_TIMEOUT_S), which deploy/cluster.env raises.

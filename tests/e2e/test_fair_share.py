@@ -32,6 +32,8 @@ from tests.e2e.serve_state import only_one_running, serve_deploy_kept
 from tests.e2e.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.applications("glm-keyed", "glm-limited")
+
 FLOOD = 160  # more than the replica runs at once (64): 96 wait
 RUNS_AT_ONCE = 64  # the bed's batch (max_num_seqs)
 FLOOD_TOKENS = 128  # each wave of A's answers takes 128 engine steps

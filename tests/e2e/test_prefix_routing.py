@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 import yaml
 
 from tests.e2e.apps import RunningApp, application
@@ -28,6 +29,8 @@ from tests.e2e.serve_state import (
 )
 from tests.e2e.simulation import SimulatedEngines, ready_bed
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.applications("prefix")
 
 MODEL_NAME = "glm-4-9b-chat"
 CONVERSATIONS = 8

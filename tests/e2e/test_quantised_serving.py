@@ -23,6 +23,8 @@ from tests.e2e.sse import post_stream
 from tests.e2e.telemetry import scrape, total
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.applications("glm-w4a16")
+
 NAME = "glm-w4a16"
 MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
 

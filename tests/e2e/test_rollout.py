@@ -39,6 +39,8 @@ from tests.e2e.simulation import ready_bed
 from tests.e2e.sse import post_stream
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.applications("glm-rollout", "glm-rate-limited")
+
 KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
 ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
 
