@@ -5,7 +5,8 @@ Run by tests/e2e/test_client_libraries.py in the client libraries' own environme
 jiter than the app's tests use). For each seed, one pydantic model through
 ``ChatOpenAI(...).with_structured_output(Profile, method="json_schema", strict=True)``
 and through ``instructor.from_openai(..., mode=Mode.JSON_SCHEMA)``, exactly as their
-documentation shows. Prints one JSON line: per library, how many answers parsed, how
+documentation shows, 16 seeds' calls at once from threads (as a server's users send them).
+Prints one JSON line: per library, how many answers parsed, how
 many were cut by the token limit (the libraries raise for those, as they should), and
 every other failure with its message.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import instructor
@@ -24,6 +26,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 ASK = "Fill in the profile of a sailor."
+CONCURRENT = 16  # calls at once, each library's own client shared by the threads
 
 
 class Profile(BaseModel):
@@ -64,18 +67,23 @@ def cut_by_the_token_limit(error: Exception) -> bool:
     return isinstance(error, (openai.LengthFinishReasonError, IncompleteOutputException))
 
 
+def outcome(call: Callable[[int], Profile], seed: int) -> str:
+    """``parsed``, ``cut``, or the failure's message."""
+    try:
+        call(seed)
+        return "parsed"
+    except Exception as error:
+        if cut_by_the_token_limit(error):
+            return "cut"
+        return f"seed {seed}: {type(error).__name__}: {str(error)[:300]}"
+
+
 def run(call: Callable[[int], Profile], seeds: range) -> dict[str, Any]:
-    parsed, cut, failures = 0, 0, []
-    for seed in seeds:
-        try:
-            call(seed)
-            parsed += 1
-        except Exception as error:
-            if cut_by_the_token_limit(error):
-                cut += 1
-            else:
-                failures.append(f"seed {seed}: {type(error).__name__}: {str(error)[:300]}")
-    return {"parsed": parsed, "cut": cut, "failures": failures}
+    """Every seed's call, CONCURRENT at once (as a server's users send them: the engine batches them)."""
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        outcomes = list(pool.map(lambda seed: outcome(call, seed), seeds))
+    failures = [o for o in outcomes if o not in ("parsed", "cut")]
+    return {"parsed": outcomes.count("parsed"), "cut": outcomes.count("cut"), "failures": failures}
 
 
 def main() -> None:
