@@ -16,7 +16,7 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
+.PHONY: install serve test test-prerequisites lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -74,8 +74,12 @@ serve: install tiny-model
 prometheus:
 	tools/install-prometheus
 
+# What the tests need beside .venv: the tiny models, the scanner's and the client libraries'
+# environments, Prometheus (independent of one another: `make -j` builds them at once).
+test-prerequisites: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
+
 # The unit tests on both cores, then the end-to-end tests (one Ray cluster of their own, shared).
-test: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
+test: test-prerequisites
 	$(BIN)/python -m pytest -v --durations=0 -m "not e2e" -n 2
 	$(BIN)/python -m pytest -v --durations=0 -m e2e
 
