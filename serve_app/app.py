@@ -16,15 +16,24 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+from ray import serve
 from ray.serve import Application, Deployment
 
 from serve_app.config import parse_app_config
 from serve_app.ingress.rate_limits import RateLimiter
-from serve_app.replica.front_door import DirectModelServer
 from serve_app.replica_picker import ReplicaPicker
 from serve_app.serve_internals import haproxy_enabled, with_ingress_request_router
 
 logger = logging.getLogger("ray.serve")
+
+# The model deployment's class, by its import path: Serve imports it in each model replica, and
+# the application's build (a process of its own for each application and each deploy) never
+# imports vLLM (8 s of CPU there, for nothing: the config is checked against vLLM's own argument
+# names read from its source, serve_app.vllm_internals).
+MODEL_SERVER = "serve_app.replica.front_door.DirectModelServer"
+# The model replica's health check only reads the engine's state, so it runs often. A replica
+# whose engine died exits by itself (serve_app.replica.engine_watch); the check is the backstop.
+MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check_timeout_s": 30}
 
 
 def deployment(cls: type) -> Deployment:
@@ -48,10 +57,9 @@ def build_app(args: dict[str, Any]) -> Application:
     (model,) = config.models
     if config.ingress.applies_fair_share:
         model = model.with_priority_scheduling()
-    server = (
-        deployment(DirectModelServer)
-        .options(name=model.deployment_name, **model.resolved_direct_deployment(config.ingress.request_timeout_s))
-        .bind(model, config, rate_limiter)
+    model_server = serve.deployment(name=model.deployment_name, **MODEL_HEALTH_CHECKS)(MODEL_SERVER)
+    server = model_server.options(**model.resolved_direct_deployment(config.ingress.request_timeout_s)).bind(
+        model, config, rate_limiter
     )
     if not haproxy_enabled():
         logger.warning(

@@ -11,7 +11,6 @@ both keep vLLM's and Ray's names and meanings.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from serve_app.glm4 import sizing
 from serve_app.glm4.format import check_dtype
 from serve_app.structured_outputs import with_grammar_backend
+from serve_app.vllm_internals import engine_argument_names, kv_cache_dtypes, quantization_methods
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -38,13 +38,9 @@ class _Strict(BaseModel):
 
 @functools.cache
 def vllm_argument_names() -> tuple[frozenset[str], frozenset[str]]:
-    """Names of vLLM's engine arguments and of its OpenAI front-end arguments."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import FrontendArgs
-
-    engine = frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs))
-    frontend = frozenset(f.name for f in dataclasses.fields(FrontendArgs))
-    return engine, frontend
+    """Names of vLLM's engine arguments and of its OpenAI front-end arguments (read from vLLM's
+    source, not imported: the application's build stays light, serve_app.vllm_internals)."""
+    return engine_argument_names()
 
 
 def split_engine_args(engine_args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -68,17 +64,13 @@ def check_quantisation(engine_args: dict[str, Any]) -> None:
     float16 activations are (GLM-4's values overflow it). Whether the GPU runs the method
     (FP8 needs compute capability 8.9 for its fast path) vLLM checks as it builds its config,
     before any weight loads."""
-    from typing import get_args
-
-    from vllm.config.cache import CacheDType
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-
+    methods, cache_dtypes = quantization_methods(), kv_cache_dtypes()
     method = engine_args.get("quantization")
-    if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization {method!r} is not one of vLLM's methods ({', '.join(QUANTIZATION_METHODS)})")
+    if method is not None and method not in methods:
+        raise ValueError(f"quantization {method!r} is not one of vLLM's methods ({', '.join(methods)})")
     cache_dtype = engine_args.get("kv_cache_dtype", "auto")
-    if cache_dtype not in get_args(CacheDType):
-        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of vLLM's ({', '.join(get_args(CacheDType))})")
+    if cache_dtype not in cache_dtypes:
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of vLLM's ({', '.join(cache_dtypes)})")
     try:
         check_dtype(cache_dtype)
     except ValueError as refused:

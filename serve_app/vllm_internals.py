@@ -10,12 +10,15 @@ attribute named here still exists in the installed vLLM.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import importlib.util
 import logging
 import logging.handlers
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 WRITTEN_AGAINST = "0.32.0"
@@ -27,6 +30,69 @@ COMPLETION_RENDER_STEP = "render_completion_request"
 
 # The renderer's chat rendering, sync and async (wrapped by serve_app.glm4.serving).
 CHAT_RENDER_METHODS = ("render_messages", "render_messages_async")
+
+
+# What a serve config's engine_args are checked against when the application is built (serve_app.config),
+# read from the installed vLLM's source rather than imported: importing any module of vLLM imports
+# torch and its compiler (8 s of CPU in each of Serve's build processes, one per application and
+# deploy). tests/unit/test_vllm_internals.py checks each against vLLM's imported value.
+ENGINE_ARGS_SOURCE = ("engine/arg_utils.py", "AsyncEngineArgs")  # a dataclass (fields with its bases')
+FRONTEND_ARGS_SOURCE = ("entrypoints/launchers/cli_args.py", "FrontendArgs")
+QUANTIZATION_SOURCE = ("model_executor/layers/quantization/__init__.py", "QuantizationMethods")  # a Literal
+KV_CACHE_DTYPE_SOURCE = ("config/cache.py", "CacheDType")
+
+
+@functools.cache
+def _vllm_source(relative: str) -> ast.Module:
+    spec = importlib.util.find_spec("vllm")  # a top-level package: found, not imported
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("vllm")
+    return ast.parse((Path(spec.origin).parent / relative).read_text())
+
+
+def _class_fields(tree: ast.Module, name: str) -> list[str]:
+    """A class's annotated fields (a dataclass's), with those of its bases in the same module."""
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    fields: list[str] = []
+    for base in classes[name].bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            fields += _class_fields(tree, base.id)
+    for statement in classes[name].body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            if "ClassVar" not in ast.unparse(statement.annotation):
+                fields.append(statement.target.id)
+    return fields
+
+
+def _literal_values(tree: ast.Module, name: str) -> tuple[str, ...]:
+    """The values of a module-level ``name = Literal[...]``."""
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == name for target in statement.targets
+        ):
+            literal = statement.value
+            if isinstance(literal, ast.Subscript):
+                values = literal.slice.elts if isinstance(literal.slice, ast.Tuple) else [literal.slice]
+                return tuple(v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+    raise LookupError(f"{name} = Literal[...] not found")
+
+
+def engine_argument_names() -> tuple[frozenset[str], frozenset[str]]:
+    """Names of vLLM's engine arguments (``AsyncEngineArgs``) and of its OpenAI front end's
+    (``FrontendArgs``)."""
+    engine = _class_fields(_vllm_source(ENGINE_ARGS_SOURCE[0]), ENGINE_ARGS_SOURCE[1])
+    frontend = _class_fields(_vllm_source(FRONTEND_ARGS_SOURCE[0]), FRONTEND_ARGS_SOURCE[1])
+    return frozenset(engine), frozenset(frontend)
+
+
+def quantization_methods() -> tuple[str, ...]:
+    """vLLM's quantization methods (``QUANTIZATION_METHODS``)."""
+    return _literal_values(_vllm_source(QUANTIZATION_SOURCE[0]), QUANTIZATION_SOURCE[1])
+
+
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """vLLM's KV cache dtypes (``CacheDType``)."""
+    return _literal_values(_vllm_source(KV_CACHE_DTYPE_SOURCE[0]), KV_CACHE_DTYPE_SOURCE[1])
 
 
 def tokenizer_executor(renderer: Any) -> Executor:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -52,12 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(
-    # The check only reads the engine's state, so it runs often. A replica whose
-    # engine died exits by itself (serve_app.replica.engine_watch); the check is the backstop.
-    health_check_period_s=2,
-    health_check_timeout_s=30,
-)
 class ModelServer:
     """Serves one model's chat and text completions from a vLLM engine."""
 
@@ -148,12 +142,14 @@ class ModelServer:
             "model %s ready (max_model_len=%d, eos/stop token ids=%s)", model.name, self.max_model_len, stop_ids
         )
 
-    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:
+    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[Answer, None]:
         """Answer a validated ``ChatCompletionRequest``; ``trace_context`` continues the ingress's trace."""
         async for item in self._answer("chat", self.chat_serving.create_chat_completion, request, trace_context):
             yield item
 
-    async def completion(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncIterator[Answer]:
+    async def completion(
+        self, request: Any, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[Answer, None]:
         """Answer a validated ``CompletionRequest``; ``trace_context`` continues the ingress's trace."""
         async for item in self._answer("completion", self.completion_serving.create_completion, request, trace_context):
             yield item

@@ -131,9 +131,8 @@ class LocalModel:
         return self
 
 
-@serve.deployment(health_check_period_s=2, health_check_timeout_s=30)  # as ModelServer
 @serve.ingress()
-class DirectModelServer(ModelServer.func_or_class, GenerationMethods):  # type: ignore[name-defined]
+class DirectModelServer(ModelServer, GenerationMethods):
     """A model replica that also answers clients: ModelServer behind the ingress's HTTP app."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits it

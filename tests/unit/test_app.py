@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from serve_app import app as app_module
 from tests.unit.test_config import app_args
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("haproxy", [True, False], ids=["with HAProxy", "without HAProxy"])
@@ -35,3 +41,36 @@ def test_with_fair_share_the_direct_replicas_engine_schedules_waiting_requests_b
     del args["ingress"]["api_keys"]
     (keyless, _config, _limiter) = app_module.build_app(args)._bound_deployment.init_args
     assert "scheduling_policy" not in keyless.engine_args
+
+
+def test_building_the_application_imports_neither_vllm_nor_torch() -> None:
+    """Serve builds each application in a process of its own, at every deploy: the model deployment
+    is named by its import path (each replica imports it) and the config is checked against vLLM's
+    names read from its source, so the build costs Ray's imports, not vLLM's (8 s of CPU)."""
+    code = (
+        "import sys, yaml; from serve_app.app import build_app; "
+        "app = build_app(yaml.safe_load(open('deploy/config.yaml'))['applications'][0]['args']); "
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules), app._bound_deployment.func_or_class)"
+    )
+    built = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.split() == ["[]", app_module.MODEL_SERVER]
+
+
+def test_the_model_replicas_health_is_checked_every_2_s_unless_the_config_says_otherwise() -> None:
+    args = app_args("config.yaml")
+    for option in ("health_check_period_s", "health_check_timeout_s"):
+        args["models"][0]["deployment"].pop(option, None)
+    config = app_module.build_app(args)._bound_deployment._deployment_config
+    assert (config.health_check_period_s, config.health_check_timeout_s) == (2, 30)
+    args["models"][0]["deployment"] |= {"health_check_period_s": 5}
+    assert app_module.build_app(args)._bound_deployment._deployment_config.health_check_period_s == 5
+
+
+def test_each_model_replica_finds_the_deployments_class_by_its_import_path() -> None:
+    """As Serve's replica loads a deployment named by import path (the build never imports it)."""
+    from ray.serve._private.replica import _load_deployment_def_from_import_path
+
+    from serve_app.replica.front_door import DirectModelServer
+
+    assert _load_deployment_def_from_import_path(app_module.MODEL_SERVER) is DirectModelServer

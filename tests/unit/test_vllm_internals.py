@@ -168,3 +168,20 @@ def test_the_front_end_builds_grammars_as_the_ingress_builds_them_first() -> Non
     assert "get_json_schema_from_tools(" in inspect.getsource(ToolParser.adjust_request)
     assert "validate_guidance_grammar(" in inspect.getsource(SamplingParams)
     assert list(inspect.signature(validate_guidance_grammar).parameters) == ["sampling_params", "tokenizer"]
+
+
+def test_the_names_read_from_vllms_source_are_the_ones_it_imports() -> None:
+    """A serve config is checked against these when the application is built, without importing vLLM."""
+    import dataclasses
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    engine, frontend = vllm_internals.engine_argument_names()
+    assert engine == {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    assert frontend == {field.name for field in dataclasses.fields(FrontendArgs)}
+    assert list(vllm_internals.quantization_methods()) == QUANTIZATION_METHODS
+    assert vllm_internals.kv_cache_dtypes() == get_args(CacheDType)
