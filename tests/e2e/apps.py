@@ -119,7 +119,8 @@ TAKES, QUEUES = 2, 2
 PRODUCTION_DRAIN_S = 30
 # What glm-autoscaled changes in deploy/config.sim.yaml's autoscaling: from one replica, and the
 # shipped 10 s upscale delay with a 10 s downscale delay (not 60 s) and look-back (Serve's
-# default: 30 s), so that it scales out and back within the test.
+# default: 30 s), so that it scales out and back within the test. (At 2 s up and 5 s down over a
+# 5 s look-back it flapped: replicas still starting under load were stopped and started again.)
 AUTOSCALED = {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10, "look_back_period_s": 10}
 
 
@@ -198,7 +199,10 @@ QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
 
 def quantised_application() -> dict[str, Any]:
     """``glm-w4a16`` (``/w4a16``): deploy/config.cpu.yaml's application serving the tiny model's
-    4-bit copy with an FP8 KV cache, one replica (test_quantised_serving)."""
+    4-bit copy with an FP8 KV cache, one replica (test_quantised_serving). Run eagerly
+    (``enforce_eager``, vLLM's own argument): the same 4-bit kernels and FP8 cache without
+    torch's inductor compiling the model as the engine starts (a minute of CPU with a cold
+    compile cache, on the suite's start, for a few requests)."""
     app = cpu_application()
     app["name"], app["route_prefix"] = "glm-w4a16", "/w4a16"
     (model,) = app["args"]["models"]
@@ -206,6 +210,7 @@ def quantised_application() -> dict[str, Any]:
         "model": QUANTISED_CHECKPOINT,
         "quantization": "compressed-tensors",
         "kv_cache_dtype": "fp8",
+        "enforce_eager": True,
     }
     model["deployment"].pop("autoscaling_config", None)
     model["deployment"]["num_replicas"] = 1
