@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
     # The unit tests first, before the suite's cluster starts (nothing idles meanwhile, and no
     # unit test runs with RAY_ADDRESS pointing at it); then the end-to-end tests, those that
-    # replace the CPU app's replica (disruptive) last.
+    # replace the CPU app's replica or drain a node (disruptive) last.
     items.sort(
         key=lambda item: (item.get_closest_marker("e2e") is not None, item.get_closest_marker("disruptive") is not None)
     )
@@ -100,11 +100,24 @@ def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path) 
     wait_until_blocking(healthy, START_TIMEOUT_S, f"{urls} healthy", every_s=1)
 
 
-def stop(proc: subprocess.Popen) -> None:
+# `serve run` ends once Serve is down; SIGINT past this, it is killed (nothing of Serve is left
+# to orphan by then). One run's `serve run` did not answer SIGINT within 90 s, its apps still up.
+SERVE_RUN_EXIT_S = 20
+
+
+def stop(proc: subprocess.Popen, dashboard_url: str) -> None:
+    """Shut Serve down as `serve shutdown` does (Serve's REST API: every application and its
+    replicas, engines included, within Serve's own 30 s bound), then end `serve run`."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    try:
+        ServeSubmissionClient(dashboard_url).delete_applications()
+    except Exception as error:  # the cluster's stop that follows still ends every process
+        print(f"Serve's shutdown through its REST API failed: {error!r}", file=sys.stderr)
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # serve run shuts the apps down
+        proc.send_signal(signal.SIGINT)  # serve run's own shutdown, of nothing left by now
         try:
-            proc.wait(timeout=90)
+            proc.wait(timeout=SERVE_RUN_EXIT_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -208,7 +221,7 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         wait_until_healthy([a.url for a in apps.values()], proc, log_path)
         yield apps
     finally:
-        stop(proc)
+        stop(proc, ray_cluster.dashboard_url)
 
 
 @pytest.fixture(scope="session")
