@@ -32,8 +32,9 @@ START_TIMEOUT_S = 120
 # suite's load (a loaded process exports late), so 5 s.
 METRICS_REPORT_S = 5.0
 
-# Serve's production timers that the suite's cluster shortens, so no test waits on them
-# (deploy/cluster.env and the shipped configs keep the production values):
+# Serve's production timers that the suite's cluster changes, so that no test waits on them, and
+# one that it lengthens, so that its many idle replicas cost less CPU (deploy/cluster.env and the
+# shipped configs keep the production values):
 SUITE_TIMERS = {
     # Every HAProxy-fronted replica that stops drains at least this long (Serve's default:
     # 30 s) so that a load balancer in front can deregister it. Serve's HAProxy retries a
@@ -41,6 +42,13 @@ SUITE_TIMERS = {
     # production value in its own application (it proves no stream is cut while replaced).
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "RAY_metrics_report_interval_ms": str(int(METRICS_REPORT_S * 1000)),
+    # Serve's controller sets its health and status gauges again this often while they hold still
+    # (Serve's default: 10 s, inside the 20 s for which Ray's agent keeps an unset gauge at the
+    # default export interval). At the suite's 5 s interval the agent keeps one 10 s: the
+    # dashboard test's "Replicas" panels and `$application` read no series now and then under
+    # load. Half the interval: set again at least once within every export (each set of a gauge
+    # per replica costs the controller CPU: at a fifth of the interval it took a tenth of a core).
+    "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": str(METRICS_REPORT_S / 2),
     # Each replica reports its ongoing requests to Serve's autoscaler this often (Serve's default:
     # 10 s); glm-autoscaled's look-back is 10 s (tests/e2e/apps.py).
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
@@ -49,6 +57,11 @@ SUITE_TIMERS = {
     # applications on it are gone (the node-drain test drains its node with the pod's hook), and
     # a drain with nothing left to move still waited out the 30 s at the suite's stop.
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    # Serve's controller runs its control loop this often (Serve's default: every 0.1 s). Tending
+    # the suite's ten applications at idle, the loop cost a fifth of a core, all run long, on a
+    # 2-core machine; every wait the tests make is a condition, so a state seen up to 0.5 s later
+    # only shifts when it is seen.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 
