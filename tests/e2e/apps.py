@@ -154,7 +154,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       test replaces while streams run (test_rollout);
     - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
       (test_direct_streaming);
-    - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing);
+    - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
+      test_simulated_engine; a dead engine's replica in test_direct_streaming);
     - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
       (test_autoscale), with AUTOSCALED's shorter delays and look-back so that it scales out and
       back within the test.

@@ -1,8 +1,8 @@
 """The Grafana dashboard and the alerting rules on a real Prometheus scraping the suite's apps.
 
 Prometheus (Debian's package) scrapes Ray's metrics endpoint every second while traffic
-runs on the bed: complete streams, abandoned streams (aborts) and a burst past the model's
-queue while its engine is paused (429s). Then the apps idle for longer than Ray keeps a
+runs: complete streams and abandoned streams (aborts) on the bed, and a burst past the
+small-queue variant's queue while its engine is paused (429s). Then the apps idle for longer than Ray keeps a
 gauge that is not set again (20 s), and every panel query of k8s/monitoring/grafana-dashboard.json is evaluated as
 Grafana would (``$model`` and ``$application`` as "All", ``$__rate_interval`` as 1m):
 each must return a series, and the gauges must read 0.
@@ -23,12 +23,16 @@ import pytest
 import yaml
 
 from serve_app.simulated_engine.controls import Control
+from tests.e2e.apps import QUEUES, TAKES
 from tests.e2e.bodies import LONG, chat
 from tests.e2e.prometheus import Prometheus
 from tests.e2e.ray_cluster import METRICS_REPORT_S
+from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.streams import open_streams
 from tests.unit.k8s_manifests import DASHBOARD, MONITORING
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.applications("direct")
 
 RULES = MONITORING / "prometheus-rules.yaml"
 GAUGE_TTL_S = 2 * METRICS_REPORT_S  # two of Ray's export intervals: an unset gauge is dropped after this
@@ -70,47 +74,55 @@ def prometheus(metrics_url, tmp_path_factory):
     server.stop()
 
 
-QUEUE = 64 + 512  # what the bed's one model replica runs and queues
-EXCESS = 16  # refused with 429 (overloaded) past it
+EXCESS = 16  # refused with 429 (overloaded) past what the small-queue variant runs and queues
 
 
-async def drive_traffic(bed) -> None:
-    """Complete streams, abandoned streams (aborts), and a burst past the queue while the engine
-    is paused: at least the excess is refused with 429 (test_load.py's burst test says why not
-    always exactly it)."""
+async def drive_traffic(bed: Bed, small_queue: Bed) -> None:
+    """Complete streams and abandoned streams (aborts) on the bed, and a burst past the small-queue
+    variant's queue while its engine is paused: at least the excess is refused with 429
+    (test_load.py's burst test says why not always exactly it; it runs the same burst at the
+    bed's production size)."""
     app = bed.app
-    limits = httpx.Limits(max_connections=QUEUE + EXCESS)
-    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=app.url, timeout=300) as client:
         for _ in range(3):
             response = await client.post("/v1/chat/completions", json=chat(app.model, 16, stream=True))
             assert response.status_code == 200
         await bed.engines.control_all(Control.PACE, 10.0)  # they cannot end before their clients leave
         async with open_streams(client, chat(app.model, LONG, stream=True), 4):
             pass  # each stream has its first chunk; leaving aborts them
-        await bed.engines.wait_until_idle()  # the burst below is sized for an empty replica
+        await bed.engines.wait_until_idle()
         await bed.engines.control_all(Control.PACE, 1.0)
-        async with bed.engines.paused():
+    await small_queue.engines.wait_until_idle()  # the burst below is sized for an empty replica
+    limits = httpx.Limits(max_connections=TAKES + QUEUES + EXCESS)
+    async with httpx.AsyncClient(base_url=small_queue.app.url, timeout=300, limits=limits) as client:
+        async with small_queue.engines.paused():
             burst = [
                 asyncio.create_task(client.post("/v1/chat/completions", json=chat(app.model, 8)))
-                for _ in range(QUEUE + EXCESS)
+                for _ in range(TAKES + QUEUES + EXCESS)
             ]
             await wait_until(lambda: sum(task.done() for task in burst) >= EXCESS, 120, f"{EXCESS} refusals")
         statuses = [response.status_code for response in await asyncio.gather(*burst)]
     assert set(statuses) == {200, 429} and statuses.count(429) >= EXCESS, set(statuses)
 
 
+@pytest.fixture
+async def small_queue(variants) -> Bed:
+    """``direct``: the bed with a replica taking TAKES requests and queueing QUEUES (tests/e2e/apps.py)."""
+    return await ready_bed(variants["direct"])
+
+
 def scraped(prometheus: Prometheus, expr: str) -> bool:
     return bool(prometheus.query(expr))
 
 
-async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(bed, prometheus):
+async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_and_idle(bed, small_queue, prometheus):
     # A baseline first: rate() and increase() need a sample from before the traffic.
     await wait_until(
         lambda: prometheus.query("ray_glm4_serve_requests_total"),
         60,
         "Prometheus holds the app's (zeroed) counters before the traffic",
     )
-    await drive_traffic(bed)
+    await drive_traffic(bed, small_queue)
     # Twice: a series appears at its first event, which rate() cannot see; the second
     # round's events land on series Prometheus already holds.
     await wait_until(
@@ -120,7 +132,7 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
         60,
         "Prometheus holds the first round's series",
     )
-    await drive_traffic(bed)
+    await drive_traffic(bed, small_queue)
     idle_since = time.time()
     # Idle longer than Ray keeps a gauge nobody sets again, as Prometheus saw it.
     await wait_until(

@@ -1,7 +1,11 @@
-"""The simulated engine behind the whole app: the bed (deploy/config.sim.yaml's application) with 4
-replicas, where 256 concurrent streams all complete with exactly their lengths, and every
-replica served some of them. (vLLM's AsyncLLM on the simulated engine core, in one process:
-tests/unit/test_simulated_async_llm.py.)
+"""The simulated engine behind the whole app, on the bed's ``prefix`` variant (deploy/config.sim.yaml's
+application with two model replicas, routed by prefix as shipped): 256 concurrent streams all
+complete with exactly their lengths, and both replicas served some of them (one prompt for all:
+past its holder's load by ``prefix_routing.max_load_gap``, it goes to the other). (vLLM's
+AsyncLLM on the simulated engine core, in one process: tests/unit/test_simulated_async_llm.py.)
+
+The variant is one the suite runs anyway: the test adds no replica (it started 3 more, and
+stopped them after, when it ran on the bed at 4 replicas).
 """
 
 from __future__ import annotations
@@ -11,41 +15,27 @@ import json
 
 import httpx
 import pytest
-import yaml
 
-from tests.e2e.apps import application
-from tests.e2e.serve_state import serve_deploy_settled
+from tests.e2e.apps import RunningApp
+from tests.e2e.simulation import ready_bed
 from tests.e2e.sse import post_stream
 from tests.e2e.telemetry import scrape, settled
 from tests.waiting import wait_until
 
-REPLICAS = 4
+pytestmark = pytest.mark.applications("prefix")
+
+REPLICAS = 2
 STREAMS = 256
 
 
-# --- the bed (deploy/config.sim.yaml's application), 4 replicas ---
+@pytest.fixture
+async def two_replicas(variants) -> RunningApp:
+    """``prefix``: the bed with two model replicas, running at the timing model's pace, holding nothing."""
+    return (await ready_bed(variants["prefix"], replicas=REPLICAS)).app
 
 
-@pytest.fixture(scope="module")
-async def four_replicas(sim_app, cluster, tmp_path_factory):
-    """The bed with 4 model replicas, 1 again after: set in Serve's own ``deployments`` overrides of
-    the application, a lightweight update (the running replica stays). Serve counts an
-    application's ``args`` as its code, so the same change in ``args`` (models[].deployment)
-    would replace every replica (docs/operations.md)."""
-    config = yaml.safe_load(sim_app.config_path.read_text())
-    bed = application(config, sim_app.name)
-    bed["deployments"] = [{"name": sim_app.model_deployment, "num_replicas": REPLICAS}]
-    path = tmp_path_factory.mktemp("four") / "bed-with-4-replicas.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy_settled(path, cluster, settled={sim_app.name})
-    try:
-        yield sim_app
-    finally:
-        await serve_deploy_settled(sim_app.config_path, cluster, settled={sim_app.name})
-
-
-async def test_the_simulated_app_says_it_is_simulated(four_replicas):
-    async with httpx.AsyncClient(base_url=four_replicas.url, timeout=60) as client:
+async def test_the_simulated_app_says_it_is_simulated(two_replicas):
+    async with httpx.AsyncClient(base_url=two_replicas.url, timeout=60) as client:
         models = await client.get("/v1/models")
         assert models.status_code == 200, models.text
         [model] = models.json()["data"]
@@ -56,11 +46,11 @@ async def test_the_simulated_app_says_it_is_simulated(four_replicas):
         assert answer["usage"]["completion_tokens"] == 8
 
 
-async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(four_replicas, metrics_url):
+async def test_256_streams_complete_with_exact_lengths_on_both_replicas(two_replicas, metrics_url):
     limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
     lengths = [32 + i % 97 for i in range(STREAMS)]
     before = await settled(metrics_url, "ray_serve_deployment_request_counter_total")  # earlier requests all reported
-    async with httpx.AsyncClient(base_url=four_replicas.url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=two_replicas.url, timeout=300, limits=limits) as client:
         streams = await asyncio.gather(
             *(
                 post_stream(
@@ -87,15 +77,15 @@ async def test_256_streams_complete_with_exact_lengths_on_all_4_replicas(four_re
     seen: dict[str, float] = {}
 
     def requests_per_replica() -> dict[str, float] | None:
-        """Requests each model replica of the bed answered since the streams began (Serve's own counter)."""
+        """Requests each model replica answered since the streams began (Serve's own counter)."""
         seen.clear()
         after = scrape(metrics_url)
         for (name, labels), value in after.items():
             tags = dict(labels)
             if (
                 name == "ray_serve_deployment_request_counter_total"
-                and tags.get("application") == four_replicas.name
-                and tags.get("deployment") == four_replicas.model_deployment
+                and tags.get("application") == two_replicas.name
+                and tags.get("deployment") == two_replicas.model_deployment
             ):
                 grown = value - before.get((name, labels), 0.0)
                 seen[tags["replica"]] = seen.get(tags["replica"], 0.0) + grown
