@@ -26,7 +26,7 @@ import yaml
 
 from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, RunningApp, suite_config
 from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
-from tests.e2e.serve_state import DeploymentName, serve_deploy_settled, serve_retire, single_replica
+from tests.e2e.serve_state import DeploymentName, serve_retire, single_replica
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
 from tests.waiting import wait_until_blocking
@@ -41,16 +41,10 @@ def pytest_collection_modifyitems(items):
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
     # The unit tests first, before the suite's cluster starts (nothing idles meanwhile, and no
-    # unit test runs with RAY_ADDRESS pointing at it); then the end-to-end modules that use a
-    # variant application, so that each is retired early (an idle model replica took 4% of a core,
-    # its router replica 3%: the suite's ten applications idled at over half the machine); then
-    # the rest; those that replace the CPU app's replica or drain a node (disruptive) last.
+    # unit test runs with RAY_ADDRESS pointing at it); then the end-to-end tests, those that
+    # replace the CPU app's replica or drain a node (disruptive) last.
     items.sort(
-        key=lambda item: (
-            item.get_closest_marker("e2e") is not None,
-            item.get_closest_marker("disruptive") is not None,
-            not applications_used(item),
-        )
+        key=lambda item: (item.get_closest_marker("e2e") is not None, item.get_closest_marker("disruptive") is not None)
     )
 
 
@@ -66,34 +60,6 @@ _NEXT_ITEM: list[pytest.Item | None] = [None]  # the test to run after the one b
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     _NEXT_ITEM[0] = nextitem  # before the fixtures this test's end tears down
-
-
-def every_application_path(workdir: Path) -> Path:
-    """The suite's whole config, every variant in it, beside the running one (``config.yaml``)."""
-    return workdir / "every-application.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-async def deploy_applications_this_module_uses(request: pytest.FixtureRequest) -> None:
-    """Before a module's tests: the variants its ``applications`` marker names that are not running
-    are added to the suite's config and deployed, and the tests start once they serve. Each variant
-    so lives from its first module to its last (then retire_applications_no_later_test_uses
-    removes it), not the whole run: idle, its replicas cost CPU the other tests need."""
-    items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    names = set().union(*(applications_used(item) for item in items))
-    if not names:
-        return
-    serving, dashboard_url = request.getfixturevalue("serving"), request.getfixturevalue("cluster")
-    suite_config = serving[BED_NAME].config_path
-    config = yaml.safe_load(suite_config.read_text())
-    running = {app["name"] for app in config["applications"]}
-    missing = names - running
-    if not missing:
-        return
-    every_app = yaml.safe_load(every_application_path(suite_config.parent).read_text())["applications"]
-    config["applications"] += [app for app in every_app if app["name"] in missing]
-    suite_config.write_text(yaml.safe_dump(config, sort_keys=False))
-    await serve_deploy_settled(suite_config, dashboard_url, settled=missing)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -223,11 +189,6 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         },
         workdir,
     )
-    every_application_path(workdir).write_text(yaml.safe_dump(config, sort_keys=False))
-    every_app = config["applications"]
-    # `serve run` starts the CPU app and the bed; a variant is deployed before the first module
-    # that names it (deploy_applications_this_module_uses) and removed after the last.
-    config["applications"] = [a for a in every_app if a["name"] not in RETIRABLE]
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = workdir / "serve.log"
@@ -245,8 +206,7 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
             config_path=config_path,
         )
 
-    apps = {application["name"]: running_app(application) for application in every_app}
-    started = [running_app(application).url for application in config["applications"]]
+    apps = {application["name"]: running_app(application) for application in config["applications"]}
     serve_cli = Path(sys.executable).with_name("serve")
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -258,7 +218,7 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
             start_new_session=True,
         )
     try:
-        wait_until_healthy(started, proc, log_path)
+        wait_until_healthy([a.url for a in apps.values()], proc, log_path)
         yield apps
     finally:
         stop(proc, ray_cluster.dashboard_url)
