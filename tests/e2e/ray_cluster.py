@@ -47,7 +47,8 @@ SUITE_TIMERS = {
     # default export interval). At the suite's 5 s interval the agent keeps one 10 s: the
     # dashboard test's "Replicas" panels and `$application` read no series now and then under
     # load. Half the interval: set again at least once within every export (each set of a gauge
-    # per replica costs the controller CPU: at a fifth of the interval it took a tenth of a core).
+    # per replica costs the controller CPU: at a fifth of the interval it took about a tenth of a
+    # core more, in one run).
     "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": str(METRICS_REPORT_S / 2),
     # Each replica reports its ongoing requests to Serve's autoscaler this often (Serve's default:
     # 10 s); glm-autoscaled's look-back is 10 s (tests/e2e/apps.py).
@@ -58,9 +59,9 @@ SUITE_TIMERS = {
     # a drain with nothing left to move still waited out the 30 s at the suite's stop.
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     # Serve's controller runs its control loop this often (Serve's default: every 0.1 s). Tending
-    # the suite's ten applications at idle, the loop cost a fifth of a core, all run long, on a
-    # 2-core machine; every wait the tests make is a condition, so a state seen up to 0.5 s later
-    # only shifts when it is seen.
+    # the suite's applications, the controller took about 16% of a core over a run at 0.1 s and
+    # 10.5% at 0.5 s, on a 2-core machine; every wait the tests make is a condition, so a state
+    # seen up to 0.5 s later only shifts when it is seen.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
