@@ -16,7 +16,7 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test test-prerequisites lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
+.PHONY: install serve test lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -74,26 +74,24 @@ serve: install tiny-model
 prometheus:
 	tools/install-prometheus
 
-# What the tests need beside .venv: the tiny models, the scanner's and the client libraries'
-# environments, Prometheus (independent of one another: `make -j` builds them at once).
-test-prerequisites: install tiny-model $(SCAN_STAMP) $(CLIENTS_STAMP) prometheus
 
-# The unit tests on both cores, then the end-to-end tests (one Ray cluster of their own, shared).
+# The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
+# own, shared), two pytest runs that share nothing. Under `make --jobs` (CI) they run at once: the
+# end-to-end suite's applications start for 3 to 5 minutes before its first test, at about two
+# thirds of the 2-core machine, and the unit tests (about 90 s on both cores) take the rest.
 # Each run collects only its own folder: collecting the other half cost 7-17 s of CPU first.
-test: test-prerequisites
+test: unit e2e
+
+unit: install tiny-model $(SCAN_STAMP) prometheus
 	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit
+
+e2e: install tiny-model $(CLIENTS_STAMP) prometheus
 	$(BIN)/python -m pytest -v --durations=0 tests/e2e
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-
-unit: install tiny-model $(SCAN_STAMP) prometheus
-	$(BIN)/python -m pytest -v -n 2 tests/unit
-
-e2e: install tiny-model $(CLIENTS_STAMP) prometheus
-	$(BIN)/python -m pytest -v tests/e2e
 
 # Load benchmark of the app `make serve` runs (start it first, in another terminal).
 bench: install
