@@ -22,7 +22,7 @@ from ray.serve import Application, Deployment
 from serve_app.config import parse_app_config
 from serve_app.ingress.rate_limits import RateLimiter
 from serve_app.replica_picker import ReplicaPicker
-from serve_app.serve_internals import haproxy_enabled, with_ingress_request_router
+from serve_app.serve_internals import haproxy_deregistration_s, haproxy_enabled, with_ingress_request_router
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +34,8 @@ MODEL_SERVER = "serve_app.replica.front_door.DirectModelServer"
 # The model replica's health check only reads the engine's state, so it runs often. A replica
 # whose engine died exits by itself (serve_app.replica.engine_watch); the check is the backstop.
 MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check_timeout_s": 30}
+# Past its drain, how long Serve lets a stopping ReplicaPicker close before killing it.
+PICKER_STOP_MARGIN_S = 5.0
 
 
 def deployment(cls: type) -> Deployment:
@@ -67,4 +69,11 @@ def build_app(args: dict[str, Any]) -> Application:
             "answers go through Serve's Python proxy"
         )
         return server
-    return with_ingress_request_router(server, deployment(ReplicaPicker).bind(server))
+    # A ReplicaPicker Serve stops keeps answering as long as a model replica would (Serve drains
+    # only the ingress's replicas): an HAProxy process of the configuration before still sends
+    # the requests of its open keep-alive connections to it (docs/operations.md).
+    drain_s = haproxy_deregistration_s()
+    picker = deployment(ReplicaPicker).options(
+        graceful_shutdown_wait_loop_s=drain_s, graceful_shutdown_timeout_s=drain_s + PICKER_STOP_MARGIN_S
+    )
+    return with_ingress_request_router(server, picker.bind(server))

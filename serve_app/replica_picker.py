@@ -56,6 +56,10 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     ray_actor_options={"num_cpus": 0},
     # On every request's path: it must never be what holds requests back.
     max_ongoing_requests=1000,
+    # Any change to the application's arguments replaces it (they are its code version): its
+    # successor starts before it stops (app.py also keeps it answering while it stops). Without
+    # a surge Serve stopped it first, and HAProxy had no picker to ask for seconds.
+    max_surge_percent=100,
 )
 @serve.ingress()
 class ReplicaPicker:

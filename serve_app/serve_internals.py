@@ -51,6 +51,16 @@ def haproxy_enabled() -> bool:
     return RAY_SERVE_ENABLE_HA_PROXY
 
 
+def haproxy_deregistration_s() -> float:
+    """How long a replica HAProxy sends requests to must keep answering once Serve stops it:
+    Serve's own minimum drain of a direct-ingress replica (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``,
+    30 s by default), which Serve applies to the application's ingress replicas only. Read where
+    the application is built, which runs with the application's environment."""
+    from ray.serve._private.constants import RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+
+    return RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+
+
 def replica_states(app_name: str) -> dict[str, dict[str, int]]:
     """Each deployment of the application: its replicas counted by state (``RUNNING``, ...), as
     Serve's controller reports them. Blocking (one controller call).

@@ -28,6 +28,23 @@ def test_the_model_deployment_is_the_ingress_and_asks_the_picker_only_with_hapro
     assert (router._bound_deployment.name if router is not None else None) == ("ReplicaPicker" if haproxy else None)
 
 
+def test_a_replaced_picker_starts_its_successor_first_and_answers_as_long_as_a_model_replica_drains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A change of the application's arguments replaces the picker too. HAProxy processes of the
+    configuration before keep sending their keep-alive connections' requests to the old one, for as
+    long as Serve drains a model replica for them (its minimum direct-ingress drain)."""
+    monkeypatch.setattr(app_module, "haproxy_enabled", lambda: True)
+    monkeypatch.setattr(app_module, "haproxy_deregistration_s", lambda: 7.0)
+    router = app_module.build_app(app_args("config.sim.yaml"))._ingress_request_router
+    assert router is not None
+    picker = router._bound_deployment
+    config = picker._deployment_config
+    assert config.max_surge_percent == 100
+    assert config.graceful_shutdown_wait_loop_s == 7.0
+    assert config.graceful_shutdown_timeout_s > 7.0
+
+
 @pytest.mark.parametrize("fair_share", [True, False], ids=["fair share", "no fair share"])
 def test_with_fair_share_the_direct_replicas_engine_schedules_waiting_requests_by_priority(
     fair_share: bool,
