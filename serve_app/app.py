@@ -47,9 +47,10 @@ def build_app(args: dict[str, Any]) -> Application:
     """The model's deployment as the application's ingress, with the ReplicaPicker HAProxy asks.
 
     Without Serve's HAProxy (Ray started without deploy/cluster.env, as by a bare ``serve
-    run``) Serve refuses an ingress request router: the model deployment is then the ingress
-    alone, and Serve's Python proxy carries each answer from the replica its request router
-    (prefix-aware) picked, still without a replica in between.
+    run``) Serve refuses an ingress request router: the model deployment is then the ingress,
+    and Serve's Python proxy carries each answer from the replica it picked by load; with prefix
+    routing that replica asks the ReplicaPicker (an init argument, not the ingress's router)
+    which replica answers, and relays its answer when it is another.
     """
     config = parse_app_config(args)
     limits = config.ingress.rate_limits
@@ -60,15 +61,17 @@ def build_app(args: dict[str, Any]) -> Application:
     if config.ingress.applies_fair_share:
         model = model.with_priority_scheduling()
     model_server = serve.deployment(name=model.deployment_name, **MODEL_HEALTH_CHECKS)(MODEL_SERVER)
-    server = model_server.options(**model.resolved_direct_deployment(config.ingress.request_timeout_s)).bind(
-        model, config, rate_limiter
-    )
+    server_options = model.resolved_direct_deployment(config.ingress.request_timeout_s)
     if not haproxy_enabled():
         logger.warning(
             "Serve's HAProxy is off (RAY_SERVE_ENABLE_HA_PROXY=1, deploy/cluster.env): "
             "answers go through Serve's Python proxy"
         )
-        return server
+        # Serve's proxy cannot read the prompt: with prefix routing, the replica it picks asks the
+        # ReplicaPicker (by the model deployment's name: it holds no handle back) which answers.
+        picker = deployment(ReplicaPicker).bind(model.deployment_name) if model.prefix_routing.enabled else None
+        return model_server.options(**server_options).bind(model, config, rate_limiter, picker)
+    server = model_server.options(**server_options).bind(model, config, rate_limiter)
     # A ReplicaPicker Serve stops keeps answering as long as a model replica would (Serve drains
     # only the ingress's replicas): an HAProxy process of the configuration before still sends
     # the requests of its open keep-alive connections to it (docs/operations.md).

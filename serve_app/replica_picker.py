@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.serve_internals import ROUTE_PATH, pick_replica
+from serve_app.serve_internals import ROUTE_PATH, pick_replica, pick_replica_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,12 +63,19 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
 )
 @serve.ingress()
 class ReplicaPicker:
-    """Names the model replica for each request HAProxy asks about."""
+    """Names the model replica for each request HAProxy asks about, or (a bare ``serve run``, no
+    HAProxy) each request a model replica received: :meth:`pick`."""
 
-    def __init__(self, model: DeploymentHandle) -> None:
+    def __init__(self, model: DeploymentHandle | str) -> None:
+        if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
+            model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
         # One handle per generation method, made once (not per request); each builds its own
         # request router, so chat and completion prompts are remembered apart.
         self.handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
+
+    async def pick(self, method: str, request: Any) -> str:
+        """The full id of the replica the router picks for a parsed ``chat`` or ``completion`` request."""
+        return await pick_replica_id(self.handles[method], request)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])

@@ -13,6 +13,8 @@ function here, named for what it does, so a Ray upgrade has one module to review
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +28,9 @@ WRITTEN_AGAINST = "2.60.0"
 # on the request HAProxy forwards.
 ROUTE_PATH = "/internal/route"
 REQUEST_HEADERS_FIELD = "request_headers"
+# A routing-only keyword (never sent to a replica): the replica the ReplicaPicker named for a
+# request another replica received (:func:`picked_replica`).
+PICKED_REPLICA = "_picked_replica"
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,25 @@ async def pick_replica(handle: DeploymentHandle, *routing_args: Any) -> ReplicaE
     tells a request router of a request only when it dispatches one
     (``on_request_routed``), so a router that learns from its picks is told here.
     """
+    replica = await _pick(handle, *routing_args)
+    endpoint = replica.backend_http_endpoint
+    if endpoint is None:
+        raise RuntimeError(f"replica {replica.replica_id} has no HTTP server of its own")
+    host, port = endpoint
+    return ReplicaEndpoint(host, port, replica.replica_id.to_full_id_str())
+
+
+async def pick_replica_id(handle: DeploymentHandle, *routing_args: Any) -> str:
+    """The full id of the replica the deployment's request router picks for a request (as
+    :func:`pick_replica`, for a replica that sends the request on itself: no HTTP port needed)."""
+    return (await _pick(handle, *routing_args)).replica_id.to_full_id_str()
+
+
+async def _pick(handle: DeploymentHandle, *routing_args: Any) -> Any:
     async with handle.choose_replica(*routing_args, _reserve=False) as selection:
         replica = selection._replica
-        endpoint = replica.backend_http_endpoint
-        if endpoint is None:
-            raise RuntimeError(f"replica {selection.replica_id} has no HTTP server of its own")
         _tell_router(handle, selection._request_metadata.internal_request_id, replica.replica_id)
-        host, port = endpoint
-        return ReplicaEndpoint(host, port, replica.replica_id.to_full_id_str())
+        return replica
 
 
 def _tell_router(handle: DeploymentHandle, internal_request_id: str, replica_id: Any) -> None:
@@ -130,3 +146,18 @@ def _tell_router(handle: DeploymentHandle, internal_request_id: str, replica_id:
         request_router.on_replica_picked(internal_request_id, replica_id)
     else:  # Serve runs the router on a loop of its own (not in throughput mode)
         router._event_loop.call_soon_threadsafe(request_router.on_replica_picked, internal_request_id, replica_id)
+
+
+@asynccontextmanager
+async def picked_replica(handle: DeploymentHandle, replica_id: str, *routing_args: Any) -> AsyncIterator[Any]:
+    """Serve's ``ReplicaSelection`` of the replica ``replica_id`` (a full replica id, as
+    :func:`pick_replica` names it) of ``handle``'s deployment, a slot held on it; another
+    replica only if that one is full or gone. The deployment's request router honours the pick
+    (:mod:`serve_app.prefix_routing.router`).
+
+    ``handle.dispatch(selection, ...)`` sends the request there (await the answer's first item
+    inside the block, as Serve requires); leaving the block without it releases the slot.
+    ``choose_replica`` and ``dispatch`` are Serve's public API.
+    """
+    async with handle.choose_replica(*routing_args, **{PICKED_REPLICA: replica_id}) as selection:
+        yield selection

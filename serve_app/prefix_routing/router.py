@@ -46,6 +46,7 @@ from serve_app.prefix_routing.table import (
     opening_digest,
     prefix_blocks,
 )
+from serve_app.serve_internals import PICKED_REPLICA
 
 logger = logging.getLogger("ray.serve")
 
@@ -104,12 +105,16 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             pending_request=pending_request,
         )
         if self._own_replica is not None:
-            # A model replica calls its own deployment only to pass on requests its dead engine
-            # cannot take (direct streaming): never to itself; with no other, wait for one.
+            # A model replica calls its own deployment to pass on requests: never to itself;
+            # with no other, wait for one.
             candidate_replicas = [r for r in candidate_replicas if r.replica_id != self._own_replica]
             by_load = [
                 rank for rank in ([r for r in rank if r.replica_id != self._own_replica] for rank in by_load) if rank
             ]
+        picked = pending_request.kwargs.get(PICKED_REPLICA) if pending_request is not None else None
+        if picked is not None:  # the ReplicaPicker chose (a bare `serve run`): that one, else by load
+            chosen = next((r for r in candidate_replicas if r.replica_id.to_full_id_str() == picked), None)
+            return [[chosen], *by_load] if chosen is not None else by_load
         if pending_request is None or not by_load:
             return by_load
         key = self._key(pending_request)

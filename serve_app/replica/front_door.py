@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -32,7 +32,7 @@ from serve_app.ingress.routes import build_http_app
 from serve_app.ingress.settings import ingress_settings
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.replica.deployment import ModelServer
-from serve_app.serve_internals import replica_states
+from serve_app.serve_internals import picked_replica, replica_states
 
 GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[Answer, None]]
 
@@ -87,13 +87,68 @@ class OtherReplicas(Protocol):
     def completion(self) -> RemoteMethod: ...
 
 
+@dataclass(frozen=True)
+class PrefixRoute:
+    """Where a bare ``serve run``'s replica asks which replica answers a request it received."""
+
+    picker: DeploymentHandle  # the application's ReplicaPicker
+    this_replica: str  # this replica's full id, as the picker names replicas
+
+
+class RoutedAnswer:
+    """A request this replica received, answered by the replica the ReplicaPicker names: here,
+    or sent there and relayed. Shaped as a streaming handle's response (iterate it, cancel it).
+
+    Under a bare ``serve run`` (no HAProxy) Serve's Python proxy picks the replica by load: its
+    router cannot read the prompt in an HTTP request. The replica that received the request asks
+    the picker once it is parsed (docs/architecture.md, record 20).
+    """
+
+    def __init__(
+        self,
+        route: PrefixRoute,
+        method: str,
+        replicas: DeploymentHandle,
+        payload: GenerationRequest,
+        trace_context: dict[str, str] | None,
+        here: Callable[[], LocalAnswer],
+    ) -> None:
+        self._route = route
+        self._method = method
+        self._replicas = replicas
+        self._payload = payload
+        self._trace_context = trace_context
+        self._here = here
+        self._answer: Any = None  # LocalAnswer, or Serve's DeploymentResponseGenerator
+
+    def __aiter__(self) -> RoutedAnswer:
+        return self
+
+    async def __anext__(self) -> Answer:
+        if self._answer is not None:
+            return await anext(self._answer)
+        picked = await self._route.picker.pick.remote(self._method, self._payload)
+        if picked == self._route.this_replica:
+            self._answer = self._here()
+            return await anext(self._answer)
+        async with picked_replica(self._replicas, picked, self._payload) as chosen:
+            self._answer = self._replicas.dispatch(chosen, self._payload, self._trace_context)
+            return await anext(self._answer)  # within the choice, as Serve requires
+
+    def cancel(self) -> None:
+        if self._answer is not None:
+            self._answer.cancel()
+
+
 class LocalMethod:
     """``handle.<method>`` of a streaming handle, for a method of this replica.
 
     Once this replica's engine has failed, a request it has not started goes to the
     deployment's other replicas through ``elsewhere`` (a streaming deployment handle):
-    HAProxy has already handed the
-    connection to this replica, and only this replica can still answer it.
+    HAProxy has already handed the connection to this replica, and only this replica can
+    still answer it. With ``route`` (a streaming handle of this method, and this replica's
+    id), each request goes where the deployment's request router sends it, here or
+    elsewhere (:class:`RoutedAnswer`).
     """
 
     def __init__(
@@ -101,21 +156,33 @@ class LocalMethod:
         method: GenerationMethod,
         engine_failed: Callable[[], bool] = lambda: False,
         elsewhere: RemoteMethod | None = None,
+        route: PrefixRoute | None = None,
+        name: str = "chat",
     ) -> None:
         self._method = method
         self._engine_failed = engine_failed
         self._elsewhere = elsewhere
+        self._route = route
+        self._name = name
 
     def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> Any:
         if self._elsewhere is not None and self._engine_failed():
             return self._elsewhere.remote(payload, trace_context)
+        if self._route is not None and self._elsewhere is not None:
+            here = partial(self._answer_here, payload, trace_context)
+            replicas = cast(DeploymentHandle, self._elsewhere)
+            return RoutedAnswer(self._route, self._name, replicas, payload, trace_context, here)
+        return self._answer_here(payload, trace_context)
+
+    def _answer_here(self, payload: GenerationRequest, trace_context: dict[str, str] | None) -> LocalAnswer:
         return LocalAnswer(self._method(payload, trace_context))
 
 
 class LocalModel:
     """This replica as the ingress's routes call a model: ``chat`` and ``completion``, answered
     here, or by another replica of the deployment (``others``, a streaming handle) once this
-    replica's engine has failed."""
+    replica's engine has failed. With ``route`` (a bare ``serve run``), each request goes to the
+    replica the ReplicaPicker names, here or through ``others``."""
 
     def __init__(
         self,
@@ -123,9 +190,15 @@ class LocalModel:
         completion: GenerationMethod,
         engine_failed: Callable[[], bool] = lambda: False,
         others: OtherReplicas | None = None,
+        route: PrefixRoute | None = None,
     ) -> None:
-        self.chat = LocalMethod(chat, engine_failed, others.chat if others is not None else None)
-        self.completion = LocalMethod(completion, engine_failed, others.completion if others is not None else None)
+        def method(name: str, here: GenerationMethod) -> LocalMethod:
+            if others is None:
+                return LocalMethod(here, engine_failed)
+            return LocalMethod(here, engine_failed, getattr(others, name), route, name)
+
+        self.chat = method("chat", chat)
+        self.completion = method("completion", completion)
 
     def options(self, **_: Any) -> LocalModel:
         return self
@@ -136,9 +209,17 @@ class DirectModelServer(ModelServer, GenerationMethods):
     """A model replica that also answers clients: ModelServer behind the ingress's HTTP app."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits it
-        self, model: ModelConfig, config: AppConfig, rate_limiter: DeploymentHandle | None = None
+        self,
+        model: ModelConfig,
+        config: AppConfig,
+        rate_limiter: DeploymentHandle | None = None,
+        picker: DeploymentHandle | None = None,
     ) -> None:
+        """``picker``: the application's ReplicaPicker where no HAProxy asks it (a bare ``serve
+        run`` with prefix routing): this replica asks it for each request it received."""
         await super().__init__(model, config.ingress.prompt_logprobs)
+        context = serve.get_replica_context()
+        route = PrefixRoute(picker, context.replica_id.to_full_id_str()) if picker is not None else None
         self.front_router = ModelRouter(
             {
                 model.name: ModelEntry(
@@ -147,9 +228,10 @@ class DirectModelServer(ModelServer, GenerationMethods):
                         self.chat,
                         self.completion,
                         engine_failed=lambda: self.watch.failed,
-                        others=serve.get_deployment_handle(
-                            model.deployment_name, serve.get_replica_context().app_name
-                        ).options(stream=True),
+                        others=serve.get_deployment_handle(model.deployment_name, context.app_name).options(
+                            stream=True
+                        ),
+                        route=route,
                     ),
                     model.engine_args.get("max_model_len"),
                     model.max_output_tokens,

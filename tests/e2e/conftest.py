@@ -14,22 +14,18 @@ with, or changes, what a developer runs.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, RunningApp, suite_config
 from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
+from tests.e2e.serve_run import start_serve_run, stop, wait_until_healthy
 from tests.e2e.serve_state import DeploymentName, serve_retire, single_replica
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
-from tests.waiting import wait_until_blocking
 
 # A backstop over the suite's start: measured 4 to over 7 minutes on the 2-core CI machine (a fresh
 # clone starts its CPU engines with a cold compile cache).
@@ -82,28 +78,6 @@ async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest)
     retired = (RETIRABLE & running) - needed
     if retired:
         await serve_retire(retired, suite_config, dashboard_url)
-
-
-def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path) -> None:
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
-            pytest.fail(f"serve run exited with {proc.returncode} before the apps were healthy:\n{tail}")
-        try:
-            return all(httpx.get(f"{url}/health", timeout=5).status_code == 200 for url in urls)
-        except httpx.TransportError:
-            return False
-
-    wait_until_blocking(healthy, START_TIMEOUT_S, f"{urls} healthy", every_s=1)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """End `serve run` at the suite's end, without Serve's graceful shutdown: the cluster's stop
-    that follows ends every replica, its engine processes and Serve's HAProxy with it (1.8 s; a
-    shutdown through Serve's REST API first took 12 to 35 s, and no test proves anything by it)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -190,18 +164,12 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         )
 
     apps = {application["name"]: running_app(application) for application in config["applications"]}
-    serve_cli = Path(sys.executable).with_name("serve")
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [str(serve_cli), "run", "--address", ray_cluster.address, str(config_path)],
-            cwd=REPO,
-            env=os.environ | suite_cluster_env() | ray_cluster.serve_ports,  # as `make serve` runs it
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # As `make serve` runs it: Serve's cluster settings (the suite's timers) and the cluster's ports.
+    proc = start_serve_run(
+        ray_cluster.address, config_path, log_path, os.environ | suite_cluster_env() | ray_cluster.serve_ports
+    )
     try:
-        wait_until_healthy([a.url for a in apps.values()], proc, log_path)
+        wait_until_healthy([a.url for a in apps.values()], proc, log_path, START_TIMEOUT_S)
         yield apps
     finally:
         stop(proc)

@@ -111,6 +111,9 @@ class RayCluster:
             )
         }
     )
+    # The environment Ray starts with: Serve's cluster settings as `make serve` has them (HAProxy on),
+    # the suite's timers shortened; empty for Ray's own defaults, as under a bare `serve run`.
+    settings: dict[str, str] = field(default_factory=suite_cluster_env)
     process: subprocess.Popen | None = None
 
     @property
@@ -168,8 +171,8 @@ class RayCluster:
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
             ],
-            # Serve's cluster settings, as `make serve` starts Ray (timers shortened), on this cluster's own ports.
-            env=os.environ | suite_cluster_env() | self.serve_ports | self.env,
+            # Its settings (as `make serve` starts Ray, timers shortened), on this cluster's own ports.
+            env=os.environ | self.settings | self.serve_ports | self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -243,7 +246,7 @@ class RayNode:
                 "--dashboard-agent-listen-port",
                 str(free_port()),
             ],
-            env=os.environ | suite_cluster_env() | self.cluster.serve_ports | self.cluster.env,  # as on the head
+            env=os.environ | self.cluster.settings | self.cluster.serve_ports | self.cluster.env,  # as on the head
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -28,6 +28,24 @@ def test_the_model_deployment_is_the_ingress_and_asks_the_picker_only_with_hapro
     assert (router._bound_deployment.name if router is not None else None) == ("ReplicaPicker" if haproxy else None)
 
 
+@pytest.mark.parametrize("prefix_routing", [True, False], ids=["prefix routing", "no prefix routing"])
+def test_without_haproxy_the_model_replicas_ask_the_picker_when_routing_by_prefix(
+    monkeypatch: pytest.MonkeyPatch, prefix_routing: bool
+) -> None:
+    """Serve's Python proxy cannot read the prompt: the replica it picks asks the ReplicaPicker,
+    given to it (by the model deployment's name, since the picker holds no handle back)."""
+    monkeypatch.setattr(app_module, "haproxy_enabled", lambda: False)
+    args = app_args("config.sim.yaml")
+    args["models"][0]["prefix_routing"] = {"enabled": prefix_routing}
+    application = app_module.build_app(args)
+    picker = application._bound_deployment.init_args[3]
+    if prefix_routing:
+        assert picker._bound_deployment.name == "ReplicaPicker"
+        assert picker._bound_deployment.init_args == ("model-glm-4-9b-chat",)
+    else:
+        assert picker is None
+
+
 def test_a_replaced_picker_starts_its_successor_first_and_answers_as_long_as_a_model_replica_drains(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -53,10 +71,10 @@ def test_with_fair_share_the_direct_replicas_engine_schedules_waiting_requests_b
     args = app_args("config.sim.yaml")
     args["ingress"] |= {"fair_share": fair_share, "api_keys": {"env": "GLM4_TEST_KEYS"}}
     application = app_module.build_app(args)
-    (model, _config, _limiter) = application._bound_deployment.init_args
+    model = application._bound_deployment.init_args[0]
     assert model.engine_args.get("scheduling_policy") == ("priority" if fair_share else None)
     del args["ingress"]["api_keys"]
-    (keyless, _config, _limiter) = app_module.build_app(args)._bound_deployment.init_args
+    keyless = app_module.build_app(args)._bound_deployment.init_args[0]
     assert "scheduling_policy" not in keyless.engine_args
 
 

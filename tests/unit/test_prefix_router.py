@@ -19,7 +19,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
 from serve_app.prefix_routing.router import CHOSEN_NOT_SENT_S, PICK_DELIVERY_S, PrefixAffinityRouter
 from serve_app.prefix_routing.table import Choice, Decision, RoutingKey
-from serve_app.serve_internals import PickListener
+from serve_app.serve_internals import PICKED_REPLICA, PickListener
 
 DEPLOYMENT = DeploymentID(name="model-glm-4-9b-chat", app_name="glm")
 KEY = RoutingKey(blocks=(11, 12, 13), home=b"opening", opening_blocks=1, whole=b"prompt")
@@ -158,16 +158,19 @@ async def test_with_nothing_to_prefer_the_less_busy_of_the_two_candidates_comes_
     monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serves_random_pair)
     router._probe_queue_lens = probe_queue_lens
     monkeypatch.setattr(router, "_key", lambda pending_request: KEY)
-    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"))
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"), kwargs={})
     ranks = await router.choose_replicas([a, b], pending)
     assert router._routing["r"][1] == Choice(None, Decision.FALLBACK, len(KEY.blocks))  # load decides
     assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b", "a"]]
 
 
-async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself_and_honours_a_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With direct streaming a replica whose engine died passes requests on through its own
     deployment's handle; sent back to itself they would only be refused and sent again (and the
-    prompt recorded there would draw each retry back)."""
+    prompt recorded there would draw each retry back). A request the ReplicaPicker named another
+    replica for (a bare `serve run`) goes there."""
     context = SimpleNamespace(  # what Serve's replica context says of replica a (and its metrics read)
         replica_id=replica("a"), app_name=DEPLOYMENT.app_name, deployment=DEPLOYMENT.name, replica_tag="a"
     )
@@ -188,7 +191,7 @@ async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself(m
     monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serves_random_pair)
     router._probe_queue_lens = probe_queue_lens
     monkeypatch.setattr(router, "_key", lambda pending_request: KEY)
-    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"))
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r"), kwargs={})
     ranks = await router.choose_replicas([a, b], pending)
     assert ranks and all(r.replica_id.unique_id == "b" for rank in ranks for r in rank), ranks
 
@@ -197,3 +200,18 @@ async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself(m
 
     monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", only_itself)
     assert await router.choose_replicas([a], pending) == []  # none other yet: Serve waits for one
+
+    # Named by the ReplicaPicker (a bare `serve run`): that replica first, whatever it holds.
+    c = SimpleNamespace(replica_id=replica("c"))
+    router._replica_queue_len_cache.update(c.replica_id, 0)
+
+    async def serves_b_and_c(self: Any, candidate_replicas: list[Any], pending_request: Any = None) -> Any:
+        return [[b, c]]
+
+    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", serves_b_and_c)
+    picked = SimpleNamespace(
+        metadata=SimpleNamespace(internal_request_id="s"), kwargs={PICKED_REPLICA: c.replica_id.to_full_id_str()}
+    )
+    ranks = await router.choose_replicas([a, b, c], picked)
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["c"], ["b", "c"]]
+    assert "s" not in router._routing  # nothing learnt: the picker has
