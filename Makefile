@@ -76,9 +76,9 @@ prometheus:
 
 
 # The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
-# own, shared), two pytest runs that share nothing. Under `make --jobs` (CI) they run at once: the
-# end-to-end suite's applications start for 3 to 5 minutes before its first test, at about two
-# thirds of the 2-core machine, and the unit tests (about 90 s on both cores) take the rest.
+# own, shared), two pytest runs that share nothing. `make test` runs them one after the other; under
+# `make --jobs` they run at once, which is quicker while the unit tests end within the end-to-end
+# suite's start, but slows its first tests when they do not (CI runs them in turn: .ci/run).
 # Each run collects only its own folder: collecting the other half cost 7-17 s of CPU first.
 test: unit e2e
 
