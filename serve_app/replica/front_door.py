@@ -146,9 +146,8 @@ class LocalMethod:
     Once this replica's engine has failed, a request it has not started goes to the
     deployment's other replicas through ``elsewhere`` (a streaming deployment handle):
     HAProxy has already handed the connection to this replica, and only this replica can
-    still answer it. With ``route`` (a streaming handle of this method, and this replica's
-    id), each request goes where the deployment's request router sends it, here or
-    elsewhere (:class:`RoutedAnswer`).
+    still answer it. With ``route`` (a bare ``serve run``), each request goes to the replica
+    the ReplicaPicker names: here, or there through ``elsewhere`` (:class:`RoutedAnswer`).
     """
 
     def __init__(
