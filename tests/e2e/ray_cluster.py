@@ -11,7 +11,9 @@ machine).
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import shutil
 import signal
 import socket
@@ -71,10 +73,41 @@ def suite_cluster_env() -> dict[str, str]:
     return cluster_env() | SUITE_TIMERS
 
 
+# Ray's workers listen on ports 10002-19999 (its default min/max_worker_port), and the kernel
+# gives outgoing connections source ports from its ephemeral range (32768-60999 by default):
+# a port the kernel handed out as free could be some connection's source port by the time a
+# server binds it (in CI, Serve's gRPC proxy on the bare `serve run` cluster could not bind the
+# port picked before its cluster's 40 s start). Ports between the two are given only to whoever
+# binds them by number.
+_handed_out: set[int] = set()
+EVERY_ADDRESS = ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"))
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(family: socket.AddressFamily, address: str, port: int) -> bool:
+    try:
+        with socket.socket(family) as sock:
+            sock.bind((address, port))
+    except OSError as error:
+        return error.errno != errno.EADDRINUSE  # no IPv6 here: that family does not count
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, outside Ray's worker ports and the kernel's ephemeral range."""
+    low, high = 20000, _ephemeral_ports_start() - 1
+    for port in random.sample(range(low, high + 1), high - low + 1):
+        # On every address, as servers bind ([::] for Serve's gRPC proxy).
+        if port not in _handed_out and all(_bindable(family, host, port) for family, host in EVERY_ADDRESS):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def stop_blocking_ray(process: subprocess.Popen | None) -> None:
