@@ -668,14 +668,15 @@ class IngressConfig(_Strict):
     max_grammar_build_s: float = Field(
         default=0.5,
         gt=0,
-        description="Longest a request's grammar may take to build. A spec's size does not bound that work "
+        description="Most CPU time a request's grammar may take to build. A spec's size does not bound that work "
         '({"type": "array", "maxItems": 1000000000} is 41 characters; llguidance builds its items one by one, '
         "a million in 4 s on a 2-core VM, in time and memory that grow with them), and vLLM builds it where "
         "it cannot be stopped: on the "
         "replica's event loop, then in the engine. So the ingress builds it first as both will, in its "
-        "checker process, which is killed at this limit and started again; the request gets a 400 "
-        "grammar_too_costly naming the parameter. Specs at max_grammar_chars build there in at most 0.14 s "
-        "on a 2-core VM (docs/performance.md).",
+        "checker process, which is killed at this much CPU time (or ten times it in wall time, if it gets no "
+        "CPU) and started again; the request gets a 400 grammar_too_costly naming the parameter. CPU time, not "
+        "wall time, so that a busy machine does not refuse ordinary specs. Specs at max_grammar_chars build "
+        "there in at most 0.14 s on a 2-core VM (docs/performance.md).",
     )
     max_token_list_entries: int = Field(
         default=1024,

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -53,6 +54,9 @@ MAX_WAITING = 8  # large bodies being checked or waiting, per ingress replica
 # Grammars being built or waiting, per ingress replica: small jobs (milliseconds, at most a time limit),
 # as many as structured-output requests arrive, all waiting for the process on its first start.
 MAX_WAITING_GRAMMARS = 64
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
+CPU_POLL_S = 0.02  # how often a job's CPU time is read against its limit
+WALL_BACKSTOP = 10  # a job's wall-clock limit, in times its CPU-time limit
 # What every checker imports before its first job: the forkserver imports these once per replica.
 CHECKER_PRELOAD = (
     "serve_app.ingress.large_bodies",
@@ -119,6 +123,35 @@ def checker_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(CHECKER_PRELOAD))  # read when the forkserver first starts
     return context
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user and system, every thread) process ``pid`` has used, from ``/proc``; None
+    once it is gone (the pool then reports it broken)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime and stime (stat's fields 14, 15)
+
+
+async def within_cpu_time(done: asyncio.Future[Any], pid: int, limit_s: float) -> Any:
+    """``done``'s result, or :class:`TimeoutError` once process ``pid`` has spent ``limit_s`` of CPU
+    on it, or :data:`WALL_BACKSTOP` times that in wall time (a process that gets no CPU at all).
+
+    A limit on CPU time bounds the work a grammar is, which is what vLLM would spend on it, and
+    holds on a loaded machine: a wall-clock limit refused an ordinary schema in CI while the
+    replica's cores were busy with other requests."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WALL_BACKSTOP * limit_s
+    started = cpu_seconds(pid) or 0.0
+    while not done.done():
+        await asyncio.wait([done], timeout=CPU_POLL_S)
+        used = cpu_seconds(pid)
+        if not done.done() and ((used is not None and used - started > limit_s) or loop.time() > deadline):
+            done.cancel()
+            raise TimeoutError
+    return done.result()
 
 
 @dataclass
@@ -204,10 +237,15 @@ class BodyChecker:
         try:
             async with self._one_at_a_time:  # so a time limit counts only its own job
                 pool, pid = self._process or await self._start()
+                done = asyncio.wrap_future(pool.submit(job, *args))
+                if time_limit_s is None:
+                    return await done
                 try:
-                    return await asyncio.wait_for(asyncio.wrap_future(pool.submit(job, *args)), time_limit_s)
+                    return await within_cpu_time(done, pid, time_limit_s)
                 except TimeoutError:
-                    logger.warning("a job in the checker process ran past %s s; killing the process", time_limit_s)
+                    logger.warning(
+                        "a job in the checker process ran past %s s of CPU; killing the process", time_limit_s
+                    )
                     self._stop(kill=True)
                     raise
         except BrokenProcessPool:

@@ -193,11 +193,14 @@ def answer_with_pid(request_model: type, raw: bytes, to_json: object = None) -> 
 
 
 def build_until_killed(request: bytes) -> None:
-    """A build that never ends if asked to (``forever``, or ``forever:<path>``: the path made once it runs)."""
+    """A build that spends CPU until it is killed if asked to (``forever``, or ``forever:<path>``: the
+    path made once it runs), or waits without CPU (``wait <seconds>``, ``wait forever``)."""
     if request.startswith(b"forever:"):
         Path(request.removeprefix(b"forever:").decode()).touch()
     while request.startswith(b"forever"):
-        time.sleep(0.01)
+        pass  # as a costly grammar's build: CPU, all of it
+    if request.startswith(b"wait "):
+        time.sleep(float(request.removeprefix(b"wait ").replace(b"forever", b"3600")))
 
 
 def alive(pid: int) -> bool:
@@ -279,10 +282,23 @@ async def test_a_build_whose_client_left_is_still_stopped_at_its_limit_not_count
     running = tmp_path / "running"
     try:
         first = await checker_pid(checker)
-        left = asyncio.create_task(checker.build_grammar(f"forever:{running}".encode(), 2.0, "response_format"))
+        left = asyncio.create_task(checker.build_grammar(f"forever:{running}".encode(), 1.0, "response_format"))
         await wait_until(running.exists, 30, "the endless build running")
         left.cancel()
         await checker.build_grammar(b"quick", 0.5, "response_format")  # waits for the kill, then a new process
         assert not alive(first)
+    finally:
+        checker.close()
+
+
+async def test_the_limit_counts_the_builds_cpu_time_not_its_wait():
+    """A build that waits 0.6 s without CPU (as one on a loaded machine waits for a core) is within a
+    limit of 0.2 s; one that never gets CPU is stopped at ten times the limit (the wall-clock backstop)."""
+    checker = BodyChecker(answer_with_pid, warm=import_this_module, build=build_until_killed)
+    try:
+        await checker.build_grammar(b"wait 0.6", 0.2, "response_format")
+        with pytest.raises(APIError) as refused:
+            await checker.build_grammar(b"wait forever", 0.2, "response_format")
+        assert (refused.value.status, refused.value.code) == (400, "grammar_too_costly")
     finally:
         checker.close()
