@@ -86,9 +86,9 @@ class Prometheus:
             raise AssertionError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query's series (``metric`` labels and ``value``)."""
-        data = self.api("query", query=expr)
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query's series (``metric`` labels and ``value``), now or ``at`` (Unix seconds)."""
+        data = self.api("query", query=expr, **({} if at is None else {"time": at}))
         assert data["resultType"] == "vector", data
         return data["result"]
 
@@ -96,6 +96,15 @@ class Prometheus:
         """When Prometheus last scraped the cluster (Unix seconds), from its ``up`` series."""
         scraped = self.query('timestamp(up{job="ray"})')
         return float(scraped[0]["value"][1]) if scraped else 0.0  # not scraped yet
+
+    def last_good_scrape_at(self) -> float | None:
+        """When Prometheus last scraped the cluster and got an answer; None if the last scrape failed.
+
+        A scrape that fails (Ray's agent, on a loaded machine, past the 1 s timeout) marks every
+        series of the target stale: an instant query then finds none of them until the next scrape
+        succeeds. Queries evaluated at this time see what the last good scrape read."""
+        scraped = self.query('timestamp(up{job="ray"} == 1)')
+        return float(scraped[0]["value"][1]) if scraped else None
 
     def stop(self) -> None:
         self.process.terminate()

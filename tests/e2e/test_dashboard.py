@@ -140,10 +140,12 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
         GAUGE_TTL_S + 60,
         "Prometheus scrapes the idle app for longer than a gauge's lifetime",
     )
+    # Every query below is evaluated as of one scrape that succeeded (a failed one hides every series).
+    at = await wait_until(prometheus.last_good_scrape_at, 60, "a scrape of the idle app that succeeded")
 
     answers = {}
     for title, legend, expr in panel_queries():
-        answers[f"{title} [{legend}]"] = [(s["metric"], s["value"][1]) for s in prometheus.query(expr)]
+        answers[f"{title} [{legend}]"] = [(s["metric"], s["value"][1]) for s in prometheus.query(expr, at)]
     print("panel queries after idle:\n" + "\n".join(f"  {k}: {v}" for k, v in answers.items()))
     assert [name for name, series in answers.items() if not series] == [], "queries without a series (No data)"
 
@@ -155,22 +157,22 @@ async def test_every_panel_and_rule_answers_on_a_real_prometheus_after_traffic_a
         "sum(ray_vllm_num_requests_waiting)",
         "max(ray_vllm_kv_cache_usage_perc)",
     ]:
-        [series] = prometheus.query(expr)
+        [series] = prometheus.query(expr, at)
         assert float(series["value"][1]) == 0, (expr, series)
     # Every healthy model replica's engine reports, also one that has not run a step (a replica
     # whose engine died may still report while Serve replaces it: at least, not exactly).
-    [replicas] = prometheus.query('sum(ray_serve_deployment_replica_healthy{deployment=~"model-.*"})')
-    [engines] = prometheus.query("count(ray_vllm_num_requests_running)")
+    [replicas] = prometheus.query('sum(ray_serve_deployment_replica_healthy{deployment=~"model-.*"})', at)
+    [engines] = prometheus.query("count(ray_vllm_num_requests_running)", at)
     assert float(engines["value"][1]) >= float(replicas["value"][1]), (engines, replicas)
     # Events that did happen are there to see: aborts within the last minutes.
-    [aborted] = prometheus.query("sum(increase(ray_glm4_serve_aborted_requests_total[2m]))")
+    [aborted] = prometheus.query("sum(increase(ray_glm4_serve_aborted_requests_total[2m]))", at)
     assert float(aborted["value"][1]) > 0
 
     values = {}
     for group in rule_groups():
         for rule in group["rules"]:
             name = rule.get("record") or rule["alert"]
-            values[name] = [(s["metric"], s["value"][1]) for s in prometheus.query(rule["expr"])]
+            values[name] = [(s["metric"], s["value"][1]) for s in prometheus.query(rule["expr"], at)]
             if "record" in rule:
                 assert values[name], f"recording rule {name} has no series"
     print("rule expressions after idle:\n" + "\n".join(f"  {k}: {v}" for k, v in values.items()))
