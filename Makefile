@@ -77,16 +77,22 @@ prometheus:
 
 # The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
 # own, shared), two pytest runs that share nothing. `make test` runs them one after the other; under
-# `make --jobs` they run at once, which is quicker while the unit tests end within the end-to-end
-# suite's start, but slows its first tests when they do not (CI runs them in turn: .ci/run).
+# `make --jobs test` (CI) the end-to-end suite starts its applications while the unit tests run and
+# waits for their end before its first test: the file UNIT_TESTS_ENDED, made as the unit run ends
+# (whatever its result; make fails the goal if it failed).
 # Each run collects only its own folder: collecting the other half cost 7-17 s of CPU first.
 test: unit e2e
 
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+UNIT_TESTS_ENDED := $(shell mktemp -u /tmp/glm4-unit-tests-ended.XXXXXX)
+endif
+
 unit: install tiny-model $(SCAN_STAMP) prometheus
-	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit
+	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit; status=$$?; \
+	$(if $(UNIT_TESTS_ENDED),touch $(UNIT_TESTS_ENDED);) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus
-	$(BIN)/python -m pytest -v --durations=0 tests/e2e
+	E2E_AFTER_UNIT_TESTS=$(UNIT_TESTS_ENDED) $(BIN)/python -m pytest -v --durations=0 tests/e2e
 
 lint: install
 	$(BIN)/ruff check .

@@ -14,6 +14,7 @@ with, or changes, what a developer runs.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tests.e2e.serve_run import start_serve_run, stop, wait_until_healthy
 from tests.e2e.serve_state import DeploymentName, serve_retire, single_replica
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
+from tests.waiting import wait_until_blocking
 
 # A backstop over the suite's start: measured 4 to over 7 minutes on the 2-core CI machine (a fresh
 # clone starts its CPU engines with a cold compile cache).
@@ -127,6 +129,21 @@ def reload_ray_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+# Under `make --jobs test` (CI) the unit tests run while the suite's applications start; the
+# first test waits for their end (the Makefile names the file their run makes as it ends), so that
+# no end-to-end test shares the machine with them. Beside the start, they took 5.5-9 min.
+AFTER_UNIT_TESTS = "E2E_AFTER_UNIT_TESTS"
+UNIT_TESTS_BOUND_S = 900
+
+
+def wait_for_the_unit_tests() -> None:
+    path = os.environ.get(AFTER_UNIT_TESTS)
+    if path:
+        started = time.monotonic()
+        wait_until_blocking(Path(path).exists, UNIT_TESTS_BOUND_S, f"the unit tests' end ({path})", every_s=1)
+        print(f"\nthe applications were up; the unit tests ended {time.monotonic() - started:.0f} s later")
+
+
 @pytest.fixture(scope="session")
 def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str, RunningApp]]:
     """The suite's serve config run as `make serve` runs one: the CPU app, the bed and the bed's
@@ -170,6 +187,7 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
     )
     try:
         wait_until_healthy([a.url for a in apps.values()], proc, log_path, START_TIMEOUT_S)
+        wait_for_the_unit_tests()
         yield apps
     finally:
         stop(proc)
