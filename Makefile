@@ -76,23 +76,28 @@ prometheus:
 
 
 # The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
-# own, shared), two pytest runs that share nothing. `make test` runs them one after the other; under
-# `make --jobs test` (CI) the end-to-end suite starts its applications while the unit tests run and
-# waits for their end before its first test: the file UNIT_TESTS_ENDED, made as the unit run ends
-# (whatever its result; make fails the goal if it failed).
+# own, shared), two pytest runs that share nothing. `make test` runs them one after the other. Under
+# `make --jobs test` (CI) the end-to-end suite starts its applications first (beside them, the unit
+# tests slowed that start more than they gained), then the unit tests run beside its first tests,
+# and its tests marked `alone` wait for their end: files named by SUITE_MARKS tell each run where
+# the other is (made whatever the run's result; make fails the goal if either failed).
 # Each run collects only its own folder: collecting the other half cost 7-17 s of CPU first.
 test: unit e2e
 
 ifneq ($(filter test,$(MAKECMDGOALS)),)
-UNIT_TESTS_ENDED := $(shell mktemp -u /tmp/glm4-unit-tests-ended.XXXXXX)
+SUITE_MARKS := $(shell mktemp -u /tmp/glm4-test-run.XXXXXX)
+WAIT_FOR_APPS := timeout 900 sh -c 'until test -e $(SUITE_MARKS).apps-up; do sleep 1; done' || true
 endif
 
 unit: install tiny-model $(SCAN_STAMP) prometheus
+	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
 	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit; status=$$?; \
-	$(if $(UNIT_TESTS_ENDED),touch $(UNIT_TESTS_ENDED);) exit $$status
+	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus
-	E2E_AFTER_UNIT_TESTS=$(UNIT_TESTS_ENDED) $(BIN)/python -m pytest -v --durations=0 tests/e2e
+	$(if $(SUITE_MARKS),E2E_APPS_UP=$(SUITE_MARKS).apps-up E2E_AFTER_UNIT_TESTS=$(SUITE_MARKS).unit-ended) \
+	$(BIN)/python -m pytest -v --durations=0 tests/e2e; status=$$?; \
+	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).apps-up;) exit $$status
 
 lint: install
 	$(BIN)/ruff check .

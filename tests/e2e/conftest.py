@@ -38,9 +38,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.e2e)
-    # Those that replace the CPU app's replica or drain a node (disruptive) last. (The unit tests
-    # are another pytest run: `make test`.)
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    # Those that need the machine to themselves (alone) after the others, and those that replace the
+    # CPU app's replica or drain a node (disruptive) last. (The unit tests are another pytest run:
+    # `make test`.)
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("disruptive") is not None,
+            item.get_closest_marker("alone") is not None,
+        )
+    )
 
 
 def applications_used(item: pytest.Item) -> set[str]:
@@ -129,19 +135,26 @@ def reload_ray_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-# Under `make --jobs test` (CI) the unit tests run while the suite's applications start; the
-# first test waits for their end (the Makefile names the file their run makes as it ends), so that
-# no end-to-end test shares the machine with them. Beside the start, they took 5.5-9 min.
-AFTER_UNIT_TESTS = "E2E_AFTER_UNIT_TESTS"
+# Under `make --jobs test` (CI) the unit tests start once the suite's applications are up and run
+# beside its first tests; tests marked ``alone`` run after the others and wait for the unit tests'
+# end (the Makefile names the files each run makes: docs/testing.md).
+APPS_UP, AFTER_UNIT_TESTS = "E2E_APPS_UP", "E2E_AFTER_UNIT_TESTS"
 UNIT_TESTS_BOUND_S = 900
 
 
-def wait_for_the_unit_tests() -> None:
+def say_the_apps_are_up() -> None:
+    if path := os.environ.get(APPS_UP):
+        Path(path).touch()
+
+
+@pytest.fixture(autouse=True)
+def alone_on_the_machine(request: pytest.FixtureRequest) -> None:
+    """A test marked ``alone`` (its load needs both cores) starts once the unit tests have ended."""
     path = os.environ.get(AFTER_UNIT_TESTS)
-    if path:
+    if path and request.node.get_closest_marker("alone") is not None:
         started = time.monotonic()
         wait_until_blocking(Path(path).exists, UNIT_TESTS_BOUND_S, f"the unit tests' end ({path})", every_s=1)
-        print(f"\nthe applications were up; the unit tests ended {time.monotonic() - started:.0f} s later")
+        print(f"waited {time.monotonic() - started:.0f} s for the unit tests' end")
 
 
 @pytest.fixture(scope="session")
@@ -186,8 +199,10 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         ray_cluster.address, config_path, log_path, os.environ | suite_cluster_env() | ray_cluster.serve_ports
     )
     try:
-        wait_until_healthy([a.url for a in apps.values()], proc, log_path, START_TIMEOUT_S)
-        wait_for_the_unit_tests()
+        try:
+            wait_until_healthy([a.url for a in apps.values()], proc, log_path, START_TIMEOUT_S)
+        finally:
+            say_the_apps_are_up()  # (or that they will not be: the unit tests need not wait)
         yield apps
     finally:
         stop(proc)

@@ -37,7 +37,7 @@ from tests.e2e.serve_state import (
 from tests.e2e.simulation import ready_bed
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.applications("glm-autoscaled")
+pytestmark = [pytest.mark.applications("glm-autoscaled"), pytest.mark.alone]
 
 # Users that each send one answer after another: twice as many as one replica runs at once
 # (max_ongoing_requests 64), so Serve counts about 128 ongoing requests, well past the target
