@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, RunningApp, suite_config
+from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, STARTED_LATER, RunningApp, suite_config
 from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
-from tests.e2e.serve_run import start_serve_run, stop, wait_until_healthy
-from tests.e2e.serve_state import DeploymentName, serve_retire, single_replica
+from tests.e2e.serve_run import all_healthy, start_serve_run, stop, wait_until_healthy
+from tests.e2e.serve_state import DeploymentName, serve_deploy_blocking, serve_retire, single_replica
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.telemetry import OTLPCollector
-from tests.waiting import wait_until_blocking
+from tests.waiting import wait_until, wait_until_blocking
 
 # A backstop over the suite's start: measured 4 to over 7 minutes on the 2-core CI machine (a fresh
 # clone starts its CPU engines with a cold compile cache).
@@ -68,19 +68,22 @@ async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest)
     """After each run of a module's tests on the suite's applications: the bed's variants and the 4-bit
     app that no test still to run uses (their ``applications`` markers) are removed (``serve_retire``).
     A test that uses one without saying so finds it gone: a failure, never a silent pass. (A module's
-    disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)"""
-    yield
+    disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)
+
+    Before them, the applications the module names answer (those started after the suite's first,
+    :data:`~tests.e2e.apps.STARTED_LATER`, may still be starting)."""
     items = request.session.items
-    if not any(
-        "serving" in getattr(item, "fixturenames", ())
-        for item in items
-        if getattr(item, "module", None) is request.module
-    ):
-        return  # the suite's applications are not running yet
+    module_items = [item for item in items if getattr(item, "module", None) is request.module]
+    if not any("serving" in getattr(item, "fixturenames", ()) for item in module_items):
+        yield
+        return  # the suite's applications are not running
+    serving, dashboard_url = request.getfixturevalue("serving"), request.getfixturevalue("cluster")
+    used = set().union(*(applications_used(item) for item in module_items))
+    await wait_until(lambda: all_healthy([serving[name].url for name in used]), START_TIMEOUT_S, f"{sorted(used)} up")
+    yield
     following = _NEXT_ITEM[0]
     later = items[items.index(following) :] if following is not None else []
     needed = set().union(*(applications_used(item) for item in later))
-    serving, dashboard_url = request.getfixturevalue("serving"), request.getfixturevalue("cluster")
     suite_config = serving[BED_NAME].config_path
     running = {app["name"] for app in yaml.safe_load(suite_config.read_text())["applications"]}
     retired = (RETIRABLE & running) - needed
@@ -177,7 +180,8 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         workdir,
     )
     config_path = workdir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    first = config | {"applications": [a for a in config["applications"] if a["name"] not in STARTED_LATER]}
+    config_path.write_text(yaml.safe_dump(first, sort_keys=False))
     log_path = workdir / "serve.log"
 
     def running_app(application: dict) -> RunningApp:
@@ -200,9 +204,12 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
     )
     try:
         try:
-            wait_until_healthy([a.url for a in apps.values()], proc, log_path, START_TIMEOUT_S)
+            wait_until_healthy([apps[a["name"]].url for a in first["applications"]], proc, log_path, START_TIMEOUT_S)
         finally:
             say_the_apps_are_up()  # (or that they will not be: the unit tests need not wait)
+        # The rest start while the first tests run; the modules that use them wait for them.
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        serve_deploy_blocking(config_path, ray_cluster.dashboard_url)
         yield apps
     finally:
         stop(proc)

@@ -29,6 +29,15 @@ def start_serve_run(address: str, config_path: Path, log_path: Path, env: dict[s
         )
 
 
+async def all_healthy(urls: list[str]) -> bool:
+    """Whether every application's ``/health`` answers 200."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        try:
+            return all([(await client.get(f"{url}/health")).status_code == 200 for url in urls])
+        except httpx.TransportError:
+            return False
+
+
 def wait_until_healthy(urls: list[str], proc: subprocess.Popen, log_path: Path, within_s: float) -> None:
     """Until every application's ``/health`` answers 200; a failure if `serve run` exits first."""
 

@@ -42,14 +42,19 @@ class DeploymentName:
         return f"{self.app_name}/{self.deployment_name}"
 
 
-async def serve_deploy(config: Path, dashboard_url: str) -> None:
+def serve_deploy_blocking(config: Path, dashboard_url: str) -> None:
     """Deploy the config to the running cluster as ``serve deploy`` does, through Ray's own client of
     Serve's REST API (in this process: no CLI process and Ray import per deploy)."""
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
     from ray.serve.schema import ServeDeploySchema
 
     body = ServeDeploySchema.model_validate(yaml.safe_load(config.read_text())).model_dump(exclude_unset=True)
-    await asyncio.to_thread(ServeSubmissionClient(dashboard_url).deploy_applications, body)
+    ServeSubmissionClient(dashboard_url).deploy_applications(body)
+
+
+async def serve_deploy(config: Path, dashboard_url: str) -> None:
+    """:func:`serve_deploy_blocking` from a coroutine."""
+    await asyncio.to_thread(serve_deploy_blocking, config, dashboard_url)
 
 
 async def serve_deploy_kept(config: Path, suite_config: Path, dashboard_url: str) -> None:
