@@ -292,11 +292,11 @@ async def test_a_build_whose_client_left_is_still_stopped_at_its_limit_not_count
 
 
 async def test_the_limit_counts_the_builds_cpu_time_not_its_wait():
-    """A build that waits 0.6 s without CPU (as one on a loaded machine waits for a core) is within a
-    limit of 0.2 s; one that never gets CPU is stopped at ten times the limit (the wall-clock backstop)."""
+    """A build that waits 1 s without CPU (as one on a loaded machine waits for a core) is within a
+    limit of 0.5 s; one that never gets CPU is stopped at ten times the limit (the wall-clock backstop)."""
     checker = BodyChecker(answer_with_pid, warm=import_this_module, build=build_until_killed)
     try:
-        await checker.build_grammar(b"wait 0.6", 0.2, "response_format")
+        await checker.build_grammar(b"wait 1", 0.5, "response_format")
         with pytest.raises(APIError) as refused:
             await checker.build_grammar(b"wait forever", 0.2, "response_format")
         assert (refused.value.status, refused.value.code) == (400, "grammar_too_costly")
