@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TINY_MODEL := models/tiny-glm4
-# The tiny model's 4-bit weight-only copy (serve_app/glm4/quantise_w4a16.py), for the quantised-serving test.
+# The tiny model's 4-bit weight-only copy (serve_app/ops/quantise_w4a16.py), for the quantised-serving test.
 TINY_W4A16 := models/tiny-glm4-w4a16
 STAMP := $(VENV)/.installed
 # The Kubernetes security scanner (pyproject.toml's `scan` group), in an environment of its own.
@@ -54,9 +54,9 @@ tiny-model: $(TINY_MODEL)/tiny_model.json $(TINY_W4A16)/config.json
 $(TINY_MODEL)/tiny_model.json: $(STAMP) tools/tiny_model.py serve_app/glm4/format.py serve_app/glm4/chat_template.jinja
 	$(BIN)/python -m tools.tiny_model $(TINY_MODEL) --force
 
-$(TINY_W4A16)/config.json: $(TINY_MODEL)/tiny_model.json serve_app/glm4/quantise_w4a16.py
+$(TINY_W4A16)/config.json: $(TINY_MODEL)/tiny_model.json serve_app/ops/quantise_w4a16.py
 	rm -rf $(TINY_W4A16)
-	$(BIN)/python -m serve_app.glm4.quantise_w4a16 $(TINY_MODEL) $(TINY_W4A16)
+	$(BIN)/python -m serve_app.ops.quantise_w4a16 $(TINY_MODEL) $(TINY_W4A16)
 
 # A local Ray head with its Prometheus endpoint on 8080, as on KubeRay pods; stopped when serve run ends.
 # Token authentication is on, as in production, whatever ran before: the token is
@@ -112,7 +112,7 @@ bench: install
 k8s-sync: install
 	$(BIN)/python k8s/sync_serve_config.py
 
-# The gRPC API's Python code (serve_app/grpc_api/generation_pb2*) from proto/glm4serve/v1/generation.proto.
+# The gRPC API's Python code (serve_app/front_door/grpc_api/generation_pb2*) from proto/glm4serve/v1/generation.proto.
 proto: install
 	$(BIN)/python -m tools.build_proto
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.grammar_cost import GLM4_VOCAB, backend, stand_in_tokenizer
-from serve_app.ingress.request_cost import grammar_specs
+from serve_app.front_door.request_cost import grammar_specs
 
 BOUND = 32_768  # ingress.max_grammar_chars
 
@@ -142,7 +142,7 @@ async def checker_starts(starts: int) -> list[tuple[float, float]]:
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from serve_app.ingress.large_bodies import BodyChecker
+    from serve_app.front_door.large_bodies import BodyChecker
 
     request = pickle.dumps(CompletionRequest(model="m", prompt="p", response_format={"type": "json_object"}))
     times = []
@@ -169,10 +169,10 @@ def main() -> None:
     args = parser.parse_args()
     import vllm.sampling_params
 
-    from serve_app import vllm_internals
+    from serve_app.glm4 import vllm_plugin
 
     tokenizer = stand_in_tokenizer(args.tokenizer_dir, GLM4_VOCAB, args.corpus_mb << 20)
-    vllm_internals.guidance_keeps_text_as_text()
+    vllm_plugin.register()
     ll_tokenizer = vllm.sampling_params._get_llg_tokenizer(tokenizer)
     engine = backend("guidance", tokenizer)
     specs = at_the_bound()

@@ -70,9 +70,9 @@ def backend(name: str, tokenizer: Any) -> Any:
     from vllm.v1.structured_output.backend_guidance import GuidanceBackend
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
-    from serve_app import vllm_internals
+    from serve_app.glm4 import vllm_plugin
 
-    vllm_internals.guidance_keeps_text_as_text()  # the app's vLLM plugin, as in its engines
+    vllm_plugin.register()  # the app's vLLM plugin, as in its engines
     settings = types.SimpleNamespace(disable_any_whitespace=True, disable_additional_properties=name == "guidance")
     vllm_config = types.SimpleNamespace(structured_outputs_config=settings, model_config=None, speculative_config=None)
     backend_class = {"guidance": GuidanceBackend, "xgrammar": XgrammarBackend}[name]
@@ -154,9 +154,9 @@ def validation_cost(tokenizer: Any, repeats: int = 20) -> tuple[float, float]:
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
 
-    from serve_app import vllm_internals
+    from serve_app.glm4 import vllm_plugin
 
-    vllm_internals.guidance_keeps_text_as_text()
+    vllm_plugin.register()
     started = time.perf_counter()
     ll_tokenizer = vllm.sampling_params._get_llg_tokenizer(tokenizer)
     built = time.perf_counter() - started

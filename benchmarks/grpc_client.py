@@ -16,8 +16,8 @@ import grpc
 
 from benchmarks.client import Workload
 from benchmarks.records import RequestRecord
-from serve_app.grpc_api import generation_pb2 as pb
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 
 
 def request_of(workload: Workload) -> Any:

@@ -34,7 +34,7 @@ H100 = Gpu("H100 SXM 80 GB", 80, 3.35)
 L4 = Gpu("L4 24 GB", 24, 0.3)
 A10G = Gpu("A10G 24 GB", 24, 0.6)
 
-# The 4-bit checkpoint of deploy/config.w4a16.yaml (serve_app/glm4/quantise_w4a16.py): vLLM's argument is
+# The 4-bit checkpoint of deploy/config.w4a16.yaml (serve_app/ops/quantise_w4a16.py): vLLM's argument is
 # compressed-tensors, whose bits only the checkpoint says; 4 bits and a bf16 scale per group of
 # 128, as GPTQ's.
 W4A16_GB = sizing.weights_gb("gptq")

@@ -4,10 +4,10 @@ This is the ``import_path`` of every config under ``deploy/``
 (``serve_app.app:build_app``): ``serve run``, KubeRay's RayService and the tests
 all start the application here. It validates the arguments, then binds the model's
 deployment as the application's ingress
-(:class:`~serve_app.replica.front_door.DirectModelServer`: each model replica answers
-its clients itself), the :class:`~serve_app.replica_picker.ReplicaPicker` that Serve's
+(:class:`~serve_app.deployments.model_server.DirectModelServer`: each model replica answers
+its clients itself), the :class:`~serve_app.deployments.replica_picker.ReplicaPicker` that Serve's
 HAProxy asks which replica takes each request, and, when per-key rate limits are
-configured, the :class:`~serve_app.ingress.rate_limits.RateLimiter` every model replica
+configured, the :class:`~serve_app.front_door.rate_limits.RateLimiter` every model replica
 asks. Settings are read in :mod:`serve_app.config`; they act in the deployments.
 """
 
@@ -20,8 +20,8 @@ from ray import serve
 from ray.serve import Application, Deployment
 
 from serve_app.config import parse_app_config
-from serve_app.ingress.rate_limits import RateLimiter
-from serve_app.replica_picker import ReplicaPicker
+from serve_app.deployments.rate_limiter import RateLimiter
+from serve_app.deployments.replica_picker import ReplicaPicker
 from serve_app.serve_internals import haproxy_deregistration_s, haproxy_enabled, with_ingress_request_router
 
 logger = logging.getLogger("ray.serve")
@@ -30,9 +30,9 @@ logger = logging.getLogger("ray.serve")
 # the application's build (a process of its own for each application and each deploy) never
 # imports vLLM (8 s of CPU there, for nothing: the config is checked against vLLM's own argument
 # names read from its source, serve_app.vllm_internals).
-MODEL_SERVER = "serve_app.replica.front_door.DirectModelServer"
+MODEL_SERVER = "serve_app.deployments.model_server.DirectModelServer"
 # The model replica's health check only reads the engine's state, so it runs often. A replica
-# whose engine died exits by itself (serve_app.replica.engine_watch); the check is the backstop.
+# whose engine died exits by itself (serve_app.engine.engine_watch); the check is the backstop.
 MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check_timeout_s": 30}
 # Past its drain, how long Serve lets a stopping ReplicaPicker close before killing it.
 PICKER_STOP_MARGIN_S = 5.0
@@ -49,7 +49,7 @@ def build_app(args: dict[str, Any]) -> Application:
     Without Serve's HAProxy (Ray started without deploy/cluster.env, as by a bare ``serve
     run``) Serve refuses an ingress request router: the model deployment is then the ingress,
     and Serve's Python proxy carries each answer from the replica it picked by load; with prefix
-    routing that replica asks the ReplicaPicker (an init argument, not the ingress's router)
+    routing that replica asks the ReplicaPicker (an init argument, not its ingress request router)
     which replica answers, and relays its answer when it is another.
     """
     config = parse_app_config(args)

@@ -1,12 +1,12 @@
-"""What passes between the ingress and a model replica.
+"""What passes between the front door and the engine of a model replica.
 
-The ingress calls a replica's ``chat`` or ``completion`` with a validated vLLM
+The front door calls the engine's ``chat`` or ``completion`` with a validated vLLM
 request (or, for a large body, a :class:`PickledRequest`) and the trace
 context. The replica answers every call with an async generator of
 :data:`Answer` items. Its first item decides the HTTP answer: a :class:`Reply`
 (a complete JSON body with its status: a unary response or an error found before
 any token) or the first piece of an SSE stream, already framed as
-``data: ...\\n\\n`` by vLLM's serving code. The ingress writes those bytes to the
+``data: ...\\n\\n`` by vLLM's serving code. The front door writes those bytes to the
 socket as they are: nothing is re-encoded per token. A stream's last item is its
 :class:`Outcome`, never written to the client; a stream that fails after it
 started ends with an error event (:func:`trailing_error` reads it).
@@ -52,7 +52,7 @@ class Reply:
     status: int
     body: bytes
     outcome: Outcome | None = None
-    code: str | None = None  # an error's OpenAI ``code``, for the ingress's record (retry, metrics)
+    code: str | None = None  # an error's OpenAI ``code``, for the front door's record (retry, metrics)
 
     @classmethod
     def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
@@ -63,7 +63,7 @@ Answer = Reply | str | Outcome  # what a replica's generator yields
 
 
 class GenerationRequest(Protocol):
-    """What the ingress reads of a validated request, in either form it crosses in: vLLM's
+    """What the front door reads of a validated request, in either form it crosses in: vLLM's
     ``ChatCompletionRequest`` or ``CompletionRequest``, or a :class:`PickledRequest`."""
 
     @property
@@ -112,7 +112,7 @@ def trailing_error(chunk: str) -> tuple[int, str | None] | None:
     """The status and code of an error event ending ``chunk`` (chunks are joined events), else None.
 
     An error event is always a stream's last event (the replica's
-    :func:`serve_app.replica.stream_transforms.end_on_error_event`),
+    :func:`serve_app.engine.stream_transforms.end_on_error_event`),
     so only the end of a chunk is looked at: one substring search per chunk.
     """
     at = chunk.rfind(ERROR_EVENT_PREFIX)

@@ -19,7 +19,26 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ray.serve import Application
+from ray.serve import context as serve_context
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 from ray.serve.handle import DeploymentHandle
+
+# Serve's request-router API, which a custom request router subclasses and reads
+# (serve_app.routing.prefix_router's PrefixAffinityRouter); Ray keeps it under _private.
+__all__ = [
+    "DeploymentID",
+    "LocalityMixin",
+    "MultiplexMixin",
+    "PendingRequest",
+    "PowerOfTwoChoicesRequestRouter",
+    "ReplicaID",
+    "RequestRouter",
+    "RunningReplica",
+]
 
 WRITTEN_AGAINST = "2.60.0"
 
@@ -101,7 +120,7 @@ def metrics_export_interval_s() -> float:
 @runtime_checkable
 class PickListener(Protocol):
     """A request router that wants to know the replica picked for a request nobody dispatches
-    (:meth:`serve_app.prefix_routing.router.PrefixAffinityRouter.on_replica_picked`)."""
+    (:meth:`serve_app.routing.prefix_router.PrefixAffinityRouter.on_replica_picked`)."""
 
     def on_replica_picked(self, internal_request_id: str, replica_id: Any) -> None: ...
 
@@ -153,7 +172,7 @@ async def picked_replica(handle: DeploymentHandle, replica_id: str, *routing_arg
     """Serve's ``ReplicaSelection`` of the replica ``replica_id`` (a full replica id, as
     :func:`pick_replica` names it) of ``handle``'s deployment, a slot held on it; another
     replica only if that one is full or gone. The deployment's request router honours the pick
-    (:mod:`serve_app.prefix_routing.router`).
+    (:mod:`serve_app.routing.prefix_router`).
 
     ``handle.dispatch(selection, ...)`` sends the request there (await the answer's first item
     inside the block, as Serve requires); leaving the block without it releases the slot.
@@ -161,3 +180,26 @@ async def picked_replica(handle: DeploymentHandle, replica_id: str, *routing_arg
     """
     async with handle.choose_replica(*routing_args, **{PICKED_REPLICA: replica_id}) as selection:
         yield selection
+
+
+def start_at_zero(counter: Any, tags: dict[str, str]) -> None:
+    """Export ``counter`` with ``tags`` at 0 before its first event.
+
+    A series that first appears at 1 hides that event from ``rate`` and
+    ``increase`` (Prometheus needs a sample before it), and a panel or alert on an
+    event that has not happened yet reads "no data" instead of 0. Ray's ``inc``
+    refuses 0, so this records through the method ``inc`` itself calls (the one
+    place the app reaches into Ray's metrics), after adding Serve's replica tags
+    as Serve's ``inc`` does.
+    """
+    from ray.serve.metrics import _add_serve_context_tag_values
+
+    tags = dict(tags)
+    _add_serve_context_tag_values(counter._tag_keys, tags)
+    counter._record(0, tags)
+
+
+def own_replica_id() -> ReplicaID | None:
+    """The id of the Serve replica this process is, or None (a proxy, a driver)."""
+    context = serve_context._get_internal_replica_context()
+    return None if context is None else context.replica_id

@@ -24,7 +24,7 @@ from typing import Any
 WRITTEN_AGAINST = "0.32.0"
 
 # The render steps of vLLM's serving classes: a request rendered and tokenized,
-# before the engine sees it (wrapped by serve_app.replica.context_limit).
+# before the engine sees it (wrapped by serve_app.engine.context_limit).
 CHAT_RENDER_STEP = "render_chat_request"
 COMPLETION_RENDER_STEP = "render_completion_request"
 
@@ -273,19 +273,16 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int, not_in_text: str) -> A
     return _llguidance_tokenizers[key]
 
 
-def guidance_keeps_text_as_text() -> None:
-    """Make vLLM's guidance backend, and its validation of requests, use :func:`llguidance_tokenizer`.
+def guidance_keeps_text_as_text(not_in_text: str) -> None:
+    """Make vLLM's guidance backend, and its validation of requests, use :func:`llguidance_tokenizer`
+    with special tokens' text prefixed by ``not_in_text``.
 
-    Run in every vLLM process (the replica's front end and its engine core) as a vLLM
-    plugin: pyproject.toml's ``vllm.general_plugins`` entry point names it. The prefix is
-    GLM-4's control mark, which the ingress refuses anywhere in a request's messages, tools
-    and structured outputs. Mistral's tokenizers keep vLLM's own path.
+    Run in every vLLM process (the replica's front end and its engine core) by GLM-4's vLLM
+    plugin (:mod:`serve_app.glm4.vllm_plugin`). Mistral's tokenizers keep vLLM's own path.
     """
     import vllm.sampling_params
     from vllm.utils.mistral import is_mistral_tokenizer
     from vllm.v1.structured_output.backend_guidance import GuidanceBackend
-
-    from serve_app.glm4.control_tokens import CONTROL_MARK
 
     if getattr(GuidanceBackend._build_ll_tokenizer, "keeps_text_as_text", False):
         return  # (vLLM loads its plugins more than once in a process)
@@ -295,12 +292,12 @@ def guidance_keeps_text_as_text() -> None:
     def build(tokenizer: Any, vocab_size: int) -> Any:
         if is_mistral_tokenizer(tokenizer):
             return vllm_builder(tokenizer, vocab_size)
-        return llguidance_tokenizer(tokenizer, max(vocab_size, len(tokenizer)), CONTROL_MARK)
+        return llguidance_tokenizer(tokenizer, max(vocab_size, len(tokenizer)), not_in_text)
 
     def validation_tokenizer(tokenizer: Any) -> Any:
         if is_mistral_tokenizer(tokenizer):
             return vllm_validation_tokenizer(tokenizer)
-        return llguidance_tokenizer(tokenizer, len(tokenizer), CONTROL_MARK)
+        return llguidance_tokenizer(tokenizer, len(tokenizer), not_in_text)
 
     build.keeps_text_as_text = True  # type: ignore[attr-defined]
     GuidanceBackend._build_ll_tokenizer = staticmethod(build)

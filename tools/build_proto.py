@@ -4,7 +4,7 @@ The generated modules are checked in, so neither the app nor its image needs
 grpcio-tools; ``tests/unit/test_grpc_proto.py`` builds them again into a
 temporary directory and fails if they differ from the checked-in ones. The
 .proto sits at ``proto/glm4serve/v1/`` (its package's path, as protobuf tools
-expect); it is compiled as if it were at ``serve_app/grpc_api/``, so the code
+expect); it is compiled as if it were at ``serve_app/front_door/grpc_api/``, so the code
 lands there and imports itself from there.
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = REPO / "proto" / "glm4serve" / "v1" / "generation.proto"
-PACKAGE_DIR = "serve_app/grpc_api"  # where the code is imported from
+PACKAGE_DIR = "serve_app/front_door/grpc_api"  # where the code is imported from
 GENERATED = ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py")
 
 
 def build(out: Path) -> list[Path]:
-    """Compile the .proto into ``out`` (the package's files land in ``out/serve_app/grpc_api``)."""
+    """Compile the .proto into ``out`` (the package's files land in ``out/serve_app/front_door/grpc_api``)."""
     from importlib.resources import files
 
     from grpc_tools import protoc

@@ -2,7 +2,7 @@
 
 Every field of :class:`serve_app.config.AppConfig` (and the models under it) is a
 row: its path in a serve config's ``args``, its type, its default and its
-description, which lives next to the field in ``serve_app/config.py``. The table
+description, which lives next to the field in ``serve_app/config/``. The table
 sits between two marker lines in the doc; ``python -m tools.config_reference``
 rewrites it, and a unit test fails while the doc differs from what the models say.
 """

@@ -15,7 +15,7 @@ from typing import Any
 
 from serve_app import vllm_internals
 from serve_app.observability.gauges import kept_gauges
-from serve_app.observability.metrics import start_at_zero
+from serve_app.serve_internals import start_at_zero
 
 
 def engine_stat_logger() -> type:

@@ -68,5 +68,5 @@ _process_gauges = KeptGauges()
 
 
 def kept_gauges() -> KeptGauges:
-    """This process's keeper: the ingress's gauges and the engine's share one thread."""
+    """This process's keeper: the front door's gauges and the engine's share one thread."""
     return _process_gauges

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces: one span per request in the ingress, a child span in the model replica.
+"""OpenTelemetry traces: one span per request at the front door, a child span in the engine.
 
 Tracing is off unless the standard OTLP environment variables name a collector
 (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``);
@@ -7,7 +7,7 @@ exporter itself reads the rest of ``OTEL_EXPORTER_OTLP_*`` (protocol, headers,
 timeouts) and the resource reads ``OTEL_SERVICE_NAME`` and
 ``OTEL_RESOURCE_ATTRIBUTES``, as every OpenTelemetry SDK does.
 
-The ingress continues the client's W3C ``traceparent``; the trace context
+The front door continues the client's W3C ``traceparent``; the trace context
 travels to the replica as a small dict argument of the handle call (a Ray actor
 call has no headers). When tracing is off, spans are OpenTelemetry's no-op spans.
 """
@@ -85,7 +85,7 @@ def tracer() -> trace.Tracer:
 
 
 def start_request_span(name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> Span:
-    """The ingress's span of one HTTP request, a child of the client's ``traceparent`` if it sent one."""
+    """The front door's span of one request, a child of the client's ``traceparent`` if it sent one."""
     return tracer().start_span(name, context=propagate.extract(headers), kind=SpanKind.SERVER, attributes=attributes)
 
 
@@ -97,7 +97,7 @@ def trace_context(span: Span) -> dict[str, str]:
 
 
 def start_replica_span(name: str, context: Mapping[str, str] | None, attributes: dict[str, Any]) -> Span:
-    """The model replica's span of one call, a child of the ingress span that ``context`` carries."""
+    """The model replica's span of one call, a child of the front door's span that ``context`` carries."""
     return tracer().start_span(
         name, context=propagate.extract(context or {}), kind=SpanKind.SERVER, attributes=attributes
     )

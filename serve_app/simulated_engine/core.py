@@ -14,7 +14,7 @@ what the GPU would have produced by then. Tests drive it through
 pause, pace, death and hang.
 
 vLLM's types are imported here, once, not per step or per token: this module is
-loaded only where an engine runs (a model replica, a benchmark), never by the ingress.
+loaded only where an engine runs (a model replica, a benchmark), never by the application's build or the picker.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api import generation_pb2 as pb
 
 STORY = "Tell me a long story."
 LONG = 900  # tokens: seconds of generation on either engine

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from ray import serve
 
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.serve_internals import ReplicaEndpoint, pick_replica
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import BED_REPLACES_S, QUEUES, TAKES, RunningApp

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import ray
 
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from serve_app.observability import metrics
+from serve_app.front_door import metrics
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp
 from tests.e2e.bodies import LONG, chat, grpc_chat

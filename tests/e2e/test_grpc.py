@@ -22,8 +22,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from serve_app.grpc_api import generation_pb2 as pb
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.bodies import LONG, grpc_chat
 from tests.e2e.grpc_calls import call, channel, ends_once

@@ -19,8 +19,8 @@ import yaml
 
 from benchmarks.client import carries_tokens
 from serve_app.config import parse_app_config
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from serve_app.observability import metrics
+from serve_app.front_door import metrics
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.apps import application
 from tests.e2e.bodies import LONG, chat, grpc_chat

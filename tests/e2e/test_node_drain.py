@@ -5,7 +5,7 @@ GPU worker pod; the head stands in for a second. An application of the test's ow
 (``drain``: the bed's application, under ``/drain``) puts one model replica on each
 (Serve's ``max_replicas_per_node: 1``). Its streams are admitted while both (simulated) engines are paused, one
 by one until each replica holds four, so that a known share of them is held by the
-replica on node A when the hook (``python -m serve_app.node_drain``, as the pod runs
+replica on node A when the hook (``python -m serve_app.ops.node_drain``, as the pod runs
 it) drains node A. Serve stops
 that replica gracefully. The requests sent after Serve began stopping it are all
 admitted by the other replica (read from each replica's own count while the engines are
@@ -138,7 +138,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                 hook = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "serve_app.node_drain",
+                    "serve_app.ops.node_drain",
                     "--node-id",
                     a_id,
                     "--grace-s",

@@ -15,8 +15,8 @@ import uuid
 import httpx
 import ray
 
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
-from serve_app.observability import metrics
+from serve_app.front_door import metrics
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.bodies import chat, grpc_chat
 from tests.e2e.grpc_calls import channel
 from tests.e2e.serve_state import request_log_lines

@@ -2,7 +2,7 @@
 
 The suite's ``glm-w4a16`` application (under ``/w4a16``: the CPU app with the shape of
 deploy/config.w4a16.yaml, tests/e2e/apps.py) serves ``models/tiny-glm4-w4a16``, the tiny model's 4-bit copy
-written by serve_app/glm4/quantise_w4a16.py (compressed-tensors W4A16, which vLLM's CPU engine runs
+written by serve_app/ops/quantise_w4a16.py (compressed-tensors W4A16, which vLLM's CPU engine runs
 with its CPUWNA16 kernels and a GPU with Marlin), with ``kv_cache_dtype: fp8``. FP8 weights
 do not run on vLLM's CPU build (its FP8 quantisation kernels are CUDA's); their timing is the
 simulated engine's (docs/performance.md).

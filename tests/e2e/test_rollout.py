@@ -25,7 +25,7 @@ import pytest
 import ray
 import yaml
 
-from serve_app.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.apps import LIMITED_KEYS, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, application
 from tests.e2e.bodies import chat, grpc_chat
 from tests.e2e.grpc_calls import call, channel

@@ -13,16 +13,16 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from serve_app.config import CORSConfig
-from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.capacity import GenerationSlots
-from serve_app.ingress.deadlines import TimeLimits
-from serve_app.ingress.rate_limits import KeyLimits
-from serve_app.ingress.readiness import Readiness
-from serve_app.ingress.request_cost import CostLimits
-from serve_app.ingress.router import ModelEntry, ModelRouter
-from serve_app.ingress.routes import build_http_app
-from serve_app.ingress.settings import IngressSettings
-from serve_app.observability.record import Phase, RequestRecord
+from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.capacity import GenerationSlots
+from serve_app.front_door.deadlines import TimeLimits
+from serve_app.front_door.http_app import build_http_app
+from serve_app.front_door.models import ModelCatalog, ModelEntry
+from serve_app.front_door.rate_limits import KeyLimits
+from serve_app.front_door.readiness import Readiness
+from serve_app.front_door.record import Phase, RequestRecord
+from serve_app.front_door.request_cost import CostLimits
+from serve_app.front_door.settings import IngressSettings
 
 CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -118,7 +118,7 @@ def client_for(
 ) -> tuple[TestClient, FakeHandle]:
     """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
     handle = FakeHandle([items, *then])
-    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
+    router = ModelCatalog({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
 
     readiness = FixedReadiness(Readiness({"glm-4-9b-chat": healthy}, age_s=0.5, max_age_s=30))
 

@@ -10,13 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import APIKeysConfig, IngressConfig
-from serve_app.ingress.auth import (
+from serve_app.front_door.auth import (
     APIKeys,
     APIKeysUnavailable,
     load_api_keys,
     parse_keys,
 )
-from serve_app.ingress.route_path import route_path
+from serve_app.front_door.route_path import route_path
 from serve_app.protocol import Reply
 from tests.unit.fake_ingress import CHAT, assert_openai_error, client_for
 
@@ -214,7 +214,7 @@ def test_keys_are_off_unless_configured():
 
 
 def test_check_does_not_stop_at_the_first_matching_key(env_keys, monkeypatch):
-    import serve_app.ingress.auth as auth
+    import serve_app.front_door.auth as auth
 
     compared = []
     real = auth.hmac.compare_digest

@@ -365,7 +365,7 @@ def test_every_shipped_config_caches_prefixes_and_routes_by_them(config_file):
     assert model.engine_args["enable_prefix_caching"] is True
     assert model.engine_args["enable_prompt_tokens_details"] is True  # cached_tokens in each answer's usage
     router = model.resolved_deployment()["request_router_config"]
-    assert router["request_router_class"] == "serve_app.prefix_routing.router:PrefixAffinityRouter"
+    assert router["request_router_class"] == "serve_app.routing.prefix_router:PrefixAffinityRouter"
     assert router["request_router_kwargs"] | {"max_load_gap": None} == {
         "model": "glm-4-9b-chat",
         "chat_template": None,  # GLM-4's own, as the replicas render
@@ -392,12 +392,12 @@ def test_prefix_routing_off_leaves_serves_default_router_and_a_router_of_ones_ow
 def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
     from ray.serve._private.request_router.request_router import RequestRouter
 
-    from serve_app.prefix_routing.router import PrefixAffinityRouter
+    from serve_app.routing.prefix_router import PrefixAffinityRouter
 
     path = parse_app_config(minimal()).models[0].resolved_deployment()["request_router_config"]["request_router_class"]
     module, _, name = path.partition(":")
     assert f"{PrefixAffinityRouter.__module__}:{PrefixAffinityRouter.__name__}" == path
-    assert module == "serve_app.prefix_routing.router" and issubclass(PrefixAffinityRouter, RequestRouter), name
+    assert module == "serve_app.routing.prefix_router" and issubclass(PrefixAffinityRouter, RequestRouter), name
 
 
 def test_an_application_serves_exactly_one_model():

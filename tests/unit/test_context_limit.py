@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from serve_app.replica.context_limit import (
+from serve_app.engine.context_limit import (
     asks_prompt_logprobs,
     effective_prompt_tokens,
     enforce_context_limit,

@@ -15,13 +15,13 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+from serve_app.deployments.model_server import LocalModel
 from serve_app.errors import APIError
-from serve_app.ingress.auth import APIKeyMiddleware, APIKeys
-from serve_app.ingress.capacity import FairShare, GenerationCapacity, GenerationSlots
-from serve_app.ingress.deadlines import DeadlineExceeded, next_before
-from serve_app.observability.record import ObserveRequests, RequestRecord
+from serve_app.front_door.auth import APIKeyMiddleware, APIKeys
+from serve_app.front_door.capacity import FairShare, GenerationCapacity, GenerationSlots
+from serve_app.front_door.deadlines import DeadlineExceeded, next_before
+from serve_app.front_door.record import ObserveRequests, RequestRecord
 from serve_app.protocol import Reply
-from serve_app.replica.front_door import LocalModel
 from tests.waiting import wait_until
 
 

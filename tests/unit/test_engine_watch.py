@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.replica.engine_watch import EngineProgress, EngineWatch
+from serve_app.engine.engine_watch import EngineProgress, EngineWatch
 from tests.waiting import wait_until
 
 

@@ -1,4 +1,4 @@
-"""Between gRPC messages and the HTTP API's JSON (serve_app/grpc_api/messages.py): pure conversions."""
+"""Between gRPC messages and the HTTP API's JSON (serve_app/front_door/grpc_api/messages.py): pure conversions."""
 
 import json
 
@@ -6,10 +6,10 @@ import pytest
 from google.protobuf import struct_pb2
 
 from serve_app.errors import APIError
-from serve_app.grpc_api import generation_pb2 as pb
-from serve_app.grpc_api.messages import CHAT, COMPLETION, STREAM_OPTIONS, ResponseWriter, request_body
-from serve_app.ingress.admission import default_endpoints
-from serve_app.ingress.validation import field_names, parse_request
+from serve_app.front_door.endpoints import default_endpoints
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api.messages import CHAT, COMPLETION, STREAM_OPTIONS, ResponseWriter, request_body
+from serve_app.front_door.validation import field_names, parse_request
 from serve_app.protocol import Outcome
 
 

@@ -13,7 +13,7 @@ def test_checked_in_code_matches_the_proto(tmp_path: Path):
 
 
 def test_the_service_has_the_api_s_two_streaming_calls():
-    from serve_app.grpc_api import generation_pb2 as pb
+    from serve_app.front_door.grpc_api import generation_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "glm4serve.v1.Generation"

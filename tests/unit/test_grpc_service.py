@@ -12,18 +12,19 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.errors import APIError
-from serve_app.grpc_api import generation_pb2 as pb
-from serve_app.grpc_api.service import GenerationService
-from serve_app.ingress.admission import default_endpoints
-from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.capacity import FairShare, GenerationSlots
-from serve_app.ingress.deadlines import TimeLimits
-from serve_app.ingress.large_bodies import LARGE_BODY_BYTES, BodyChecker
-from serve_app.ingress.rate_limits import KeyLimits, RateLedger
-from serve_app.ingress.readiness import Readiness
-from serve_app.ingress.router import ModelEntry, ModelRouter
-from serve_app.ingress.settings import IngressSettings
+from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.capacity import FairShare, GenerationSlots
+from serve_app.front_door.deadlines import TimeLimits
+from serve_app.front_door.endpoints import default_endpoints
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api.service import GenerationService
+from serve_app.front_door.large_bodies import LARGE_BODY_BYTES, BodyChecker
+from serve_app.front_door.models import ModelCatalog, ModelEntry
+from serve_app.front_door.rate_limits import KeyLimits
+from serve_app.front_door.readiness import Readiness
+from serve_app.front_door.settings import IngressSettings
 from serve_app.protocol import Outcome, Reply
 from tests.unit.fake_ingress import HANG, SHORT, FakeHandle, FixedReadiness, RecordingMetrics
 from tests.unit.test_rate_limits import KEYS, LedgerHandle
@@ -75,7 +76,7 @@ def service(
     body_checker: BodyChecker | None = None,
 ) -> tuple[GenerationService, FakeHandle, RecordingMetrics]:
     handle = FakeHandle([items])
-    router = ModelRouter({MODEL: ModelEntry(MODEL, handle, 1024)})
+    router = ModelCatalog({MODEL: ModelEntry(MODEL, handle, 1024)})
     metrics = RecordingMetrics()
     settings = IngressSettings(
         max_request_body_bytes=1 << 20,

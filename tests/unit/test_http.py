@@ -10,11 +10,11 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
-from serve_app.ingress.deadlines import TimeLimits
-from serve_app.ingress.readiness import Readiness
-from serve_app.ingress.router import ModelEntry, ModelRouter
-from serve_app.ingress.routes import build_http_app
-from serve_app.ingress.settings import IngressSettings
+from serve_app.front_door.deadlines import TimeLimits
+from serve_app.front_door.http_app import build_http_app
+from serve_app.front_door.models import ModelCatalog, ModelEntry
+from serve_app.front_door.readiness import Readiness
+from serve_app.front_door.settings import IngressSettings
 from serve_app.protocol import Reply
 from tests.unit.fake_ingress import (
     CHAT,
@@ -165,7 +165,7 @@ def test_liveness_says_the_ingress_answers_whatever_the_models():
 
 
 def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
-    from serve_app.ingress.admission import default_endpoints
+    from serve_app.front_door.endpoints import default_endpoints
 
     events = []
 
@@ -176,7 +176,7 @@ def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
         def stop(self) -> None:
             events.append("stop")
 
-    router = ModelRouter({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", None, 1024)})
+    router = ModelCatalog({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", None, 1024)})
     settings = IngressSettings(max_request_body_bytes=1024, time_limits=TimeLimits(600, 120))
     readiness = Recording(Readiness({"glm-4-9b-chat": True}, age_s=0.1, max_age_s=30))
     with TestClient(build_http_app(router, settings, readiness, default_endpoints())) as client:

@@ -285,7 +285,7 @@ def test_workers_drain_their_node_before_they_stop(name):
         spec = group["template"]["spec"]
         (container,) = spec["containers"]
         command = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert command[:3] == ["python", "-m", "serve_app.node_drain"]
+        assert command[:3] == ["python", "-m", "serve_app.ops.node_drain"]
         grace_s = int(command[command.index("--grace-s") + 1])
         assert drains[group["groupName"]] < grace_s < spec["terminationGracePeriodSeconds"]
 
@@ -309,7 +309,7 @@ def test_no_single_node_or_head_carries_every_stream(name):
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_the_weights_job_and_the_gpu_workers_wait_name_the_checkpoints_served(name):
     """The Job downloads, and GPU pods wait for, exactly the checkpoints of the set's serveConfigV2."""
-    from serve_app.model_download import checkpoints
+    from serve_app.ops.model_download import checkpoints
 
     (rayservice,) = rayservices(name)
     served = checkpoints(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
@@ -318,7 +318,7 @@ def test_the_weights_job_and_the_gpu_workers_wait_name_the_checkpoints_served(na
     (download,) = job["spec"]["template"]["spec"]["containers"]
     (wait,) = worker_groups(rayservice)["gpu"]["template"]["spec"]["initContainers"]
     for command, mode in ((download["command"], []), (wait["command"], ["--wait"])):
-        assert command[:3] == ["python", "-m", "serve_app.model_download"] and command[3:-1] == mode
+        assert command[:3] == ["python", "-m", "serve_app.ops.model_download"] and command[3:-1] == mode
         config = yaml.safe_load((K8S.parent / command[-1]).read_text())  # the image's WORKDIR holds deploy/
         assert checkpoints(config) == served
 

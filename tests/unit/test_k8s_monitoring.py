@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from serve_app.observability.metrics import exported_names, prefix_routing_names
+from serve_app.front_door.metrics import exported_names
+from serve_app.routing.metrics import prefix_routing_names
 from tests.unit.k8s_manifests import DASHBOARD, MONITORING, OVERLAYS, rendered
 
 _METRIC = re.compile(r"\bray_[a-zA-Z0-9_]+")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.model_download import Checkpoint, checkpoints, download_all
+from serve_app.ops.model_download import Checkpoint, checkpoints, download_all
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -23,7 +23,7 @@ def test_production_downloads_its_checkpoint():
 
 
 def test_the_4_bit_variant_serves_a_local_checkpoint_the_download_leaves_alone():
-    """Its checkpoint is written from the -hf one by serve_app/glm4/quantise_w4a16.py, not downloaded."""
+    """Its checkpoint is written from the -hf one by serve_app/ops/quantise_w4a16.py, not downloaded."""
     config = yaml.safe_load((DEPLOY / "config.w4a16.yaml").read_text())
     assert checkpoints(config) == []
 
@@ -58,7 +58,7 @@ def test_each_checkpoint_is_handed_to_the_downloader_once():
 
 
 def test_waiting_polls_the_local_cache_until_every_checkpoint_is_there():
-    from serve_app.model_download import wait_for
+    from serve_app.ops.model_download import wait_for
 
     present: set[str] = set()
     asked: list[tuple[str, bool]] = []
@@ -79,7 +79,7 @@ def test_waiting_finds_a_checkpoint_in_a_real_hub_cache(tmp_path, monkeypatch):
     """huggingface_hub's own cache layout and lookup, offline: absent, then present."""
     import huggingface_hub
 
-    from serve_app.model_download import missing
+    from serve_app.ops.model_download import missing
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache_dir = tmp_path / "hub"

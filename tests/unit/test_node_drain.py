@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app import node_drain
+from serve_app.ops import node_drain
 
 
 class Clock:

@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from ray.serve.exceptions import BackPressureError
 
+from serve_app.front_door.record import CLIENT_GONE, Phase, RequestRecord
+from serve_app.front_door.request_log import completion_text, request_fields
 from serve_app.observability import tracing
-from serve_app.observability.record import CLIENT_GONE, Phase, RequestRecord
-from serve_app.observability.request_log import completion_text, request_fields
 from serve_app.protocol import Outcome, Reply
 from tests.unit.fake_ingress import CHAT, HANG, SHORT, RecordingMetrics, client_for
 
@@ -156,7 +156,7 @@ def test_ingress_and_replica_spans_share_the_clients_trace(spans):
     client, handle = client_for([ROLE + TOKEN, LAST, DONE, Outcome(7, 3, ("stop",))])
     client.post("/v1/chat/completions", json=CHAT | {"stream": True}, headers={"traceparent": TRACEPARENT})
     [context] = handle.trace_contexts
-    # What the replica does with the context it was handed (serve_app.replica.deployment).
+    # What the replica does with the context it was handed (serve_app.engine.server).
     tracing.start_replica_span("chat glm-4-9b-chat", context, {}).end()
     by_name = {span.name: span for span in spans.get_finished_spans()}
     ingress, replica = by_name["POST /v1/chat/completions"], by_name["chat glm-4-9b-chat"]
@@ -203,7 +203,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 
     from ray.exceptions import TaskCancelledError
 
-    from serve_app.observability.record import ObserveRequests
+    from serve_app.front_door.record import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -227,7 +227,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 def test_a_failure_before_the_response_is_a_500_and_raised():
     import asyncio
 
-    from serve_app.observability.record import ObserveRequests
+    from serve_app.front_door.record import ObserveRequests
 
     async def app(scope, receive, send):
         raise ValueError("bug")
@@ -244,7 +244,7 @@ def test_requests_under_a_route_prefix_are_recorded():
     """Serve passes route_prefix as root_path and leaves it in path: the record must still match."""
     import asyncio
 
-    from serve_app.observability.record import ObserveRequests
+    from serve_app.front_door.record import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

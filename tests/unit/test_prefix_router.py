@@ -17,8 +17,8 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-from serve_app.prefix_routing.router import CHOSEN_NOT_SENT_S, PICK_DELIVERY_S, PrefixAffinityRouter
-from serve_app.prefix_routing.table import Choice, Decision, RoutingKey
+from serve_app.routing.prefix_router import CHOSEN_NOT_SENT_S, PICK_DELIVERY_S, PrefixAffinityRouter
+from serve_app.routing.prefix_table import Choice, Decision, RoutingKey
 from serve_app.serve_internals import PICKED_REPLICA, PickListener
 
 DEPLOYMENT = DeploymentID(name="model-glm-4-9b-chat", app_name="glm")

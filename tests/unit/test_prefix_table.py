@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.prefix_routing.table import (
+from serve_app.routing.prefix_table import (
     Choice,
     Decision,
     PrefixTable,

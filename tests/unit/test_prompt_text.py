@@ -8,8 +8,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from serve_app.glm4.format import CHAT_TEMPLATE_PATH
-from serve_app.prefix_routing.prompt_text import OPENING_CHARS_OF_A_COMPLETION, PromptRenderer
 from serve_app.protocol import PickledRequest
+from serve_app.routing.prompt_text import OPENING_CHARS_OF_A_COMPLETION, PromptRenderer
 
 RENDERER = PromptRenderer(CHAT_TEMPLATE_PATH.read_text())
 SYSTEM = {"role": "system", "content": "You answer briefly."}

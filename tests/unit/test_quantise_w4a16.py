@@ -1,4 +1,4 @@
-"""serve_app/glm4/quantise_w4a16.py: the tiny model's 4-bit copy holds what vLLM's W4A16 loader reads.
+"""serve_app/ops/quantise_w4a16.py: the tiny model's 4-bit copy holds what vLLM's W4A16 loader reads.
 
 The e2e test (tests/e2e/test_quantised_serving.py) serves the copy on vLLM's CPU engine; here,
 its tensors: each decoder projection rounded to the nearest of 16 levels of its group's scale,
@@ -16,7 +16,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from safetensors import safe_open
 
-from serve_app.glm4.quantise_w4a16 import PROVENANCE, main, quantise_checkpoint, scheme
+from serve_app.ops.quantise_w4a16 import PROVENANCE, main, quantise_checkpoint, scheme
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4"
 

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from serve_app.config import AppConfig, ConfigError, parse_app_config
+from serve_app.deployments.rate_limiter import RateLedger
+from serve_app.engine.stream_transforms import OutcomeTap
 from serve_app.errors import APIError
-from serve_app.ingress.auth import APIKeys
-from serve_app.ingress.rate_limits import Decision, KeyLimits, RateLedger, rate_limited
+from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.rate_limits import Decision, KeyLimits, rate_limited
 from serve_app.protocol import Outcome, Reply
-from serve_app.replica.stream_transforms import OutcomeTap
 from tests.unit.fake_ingress import CHAT, assert_openai_error, client_for
 
 KEYS = "sk-alpha-0123456789ab\nsk-beta-0123456789abc"

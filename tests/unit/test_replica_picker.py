@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.prefix_routing.prompt_text import PromptRenderer
-from serve_app.replica_picker import routing_request as read_routing_request
+from serve_app.deployments.replica_picker import routing_request as read_routing_request
+from serve_app.routing.prompt_text import PromptRenderer
 
 
 def routing_request(body: bytes) -> tuple[str, Any]:

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from serve_app.protocol import DONE_EVENT
-from serve_app.replica.stream_transforms import (
+from serve_app.engine.stream_transforms import (
     coalesce,
     end_on_error_event,
     normalize_error_event,
 )
+from serve_app.protocol import DONE_EVENT
 
 
 async def collect(agen):

@@ -20,8 +20,8 @@ from transformers import AutoTokenizer
 
 from benchmarks.grammar_cost import allowed_tokens, backend, walk
 from serve_app.config import ModelConfig
+from serve_app.config.structured_outputs import GRAMMAR_BACKEND
 from serve_app.glm4.format import SPECIAL_TOKENS
-from serve_app.structured_outputs import GRAMMAR_BACKEND
 from tests.json_schemas import SCHEMAS, UNENFORCEABLE, parse_and_check
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm4"
@@ -55,7 +55,7 @@ def test_every_answer_the_grammar_lets_end_is_json_that_satisfies_its_schema(tok
 
 
 def test_xgrammar_still_lets_raw_control_characters_into_length_bounded_strings(tokenizer):
-    """Why the app refuses xgrammar (serve_app/structured_outputs.py). When this fails, the installed
+    """Why the app refuses xgrammar (serve_app/config/structured_outputs.py). When this fails, the installed
     xgrammar keeps such strings valid JSON, and the refusal can be revisited."""
     from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 
 from serve_app.config import IngressConfig
 from serve_app.errors import APIError
-from serve_app.ingress.request_cost import CostLimits
-from serve_app.ingress.validation import (
+from serve_app.front_door.request_cost import CostLimits
+from serve_app.front_door.validation import (
     MAX_CONTAINERS,
     MAX_NESTING,
     decode_body,

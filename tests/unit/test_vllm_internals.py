@@ -13,6 +13,7 @@ from pathlib import Path
 import vllm
 
 from serve_app import vllm_internals
+from serve_app.glm4 import vllm_plugin
 
 
 def assigns(cls: type, attribute: str) -> bool:
@@ -112,13 +113,13 @@ def test_the_guidance_plugin_is_registered_with_vllm_and_replaces_both_of_its_to
     from vllm.v1.structured_output.backend_guidance import GuidanceBackend
 
     [plugin] = [p for p in entry_points(group="vllm.general_plugins") if p.value.startswith("serve_app.")]
-    assert plugin.load() is vllm_internals.guidance_keeps_text_as_text
+    assert plugin.load() is vllm_plugin.register
     assert "load_general_plugins()" in inspect.getsource(engine_core_module)
     assert isinstance(GuidanceBackend.__dict__["_build_ll_tokenizer"], staticmethod)
     assert callable(vllm.sampling_params._get_llg_tokenizer)
-    vllm_internals.guidance_keeps_text_as_text()
+    vllm_plugin.register()
     build = GuidanceBackend._build_ll_tokenizer
-    vllm_internals.guidance_keeps_text_as_text()  # twice, as vLLM may: one wrapping, not two
+    vllm_plugin.register()  # twice, as vLLM may: one wrapping, not two
     assert GuidanceBackend._build_ll_tokenizer is build and getattr(build, "keeps_text_as_text", False)
     assert vllm.sampling_params._get_llg_tokenizer.__module__ == "serve_app.vllm_internals"
 

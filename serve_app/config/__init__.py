@@ -1,0 +1,29 @@
+"""The validated shape of a serve config's ``args``, one module per section.
+
+Read in the application's build (:func:`serve_app.app.build_app` validates it before anything
+starts) and handed, parsed, to every deployment's replicas. :mod:`.app` is the whole, with the
+rules across sections; :mod:`.models` and :mod:`.ingress` the two sections; :mod:`.checks` the
+checks against vLLM, the GPU table (:mod:`.accelerators`) and Ray. Nothing here builds a
+deployment: the builders in :mod:`serve_app.deployments` and :mod:`serve_app.app` decide.
+"""
+
+from serve_app.config.app import AppConfig, ConfigError, parse_app_config
+from serve_app.config.checks import split_engine_args
+from serve_app.config.ingress import APIKeysConfig, CORSConfig, IngressConfig, PromptLogprobsConfig, RateLimitsConfig
+from serve_app.config.models import DIRECT_REQUESTS_HEADROOM, ModelConfig, SimulatedEngineConfig, sized_for
+
+__all__ = [
+    "DIRECT_REQUESTS_HEADROOM",
+    "APIKeysConfig",
+    "AppConfig",
+    "CORSConfig",
+    "ConfigError",
+    "IngressConfig",
+    "ModelConfig",
+    "PromptLogprobsConfig",
+    "RateLimitsConfig",
+    "SimulatedEngineConfig",
+    "parse_app_config",
+    "sized_for",
+    "split_engine_args",
+]

@@ -1,0 +1,90 @@
+"""ReplicaPicker: the deployment HAProxy asks which model replica takes a request. Runs in its own replicas.
+
+For each generation request, Serve's HAProxy posts the request's body to one
+ReplicaPicker replica (``/internal/route``, round robin over them), then forwards
+the client's connection to the model replica it names; the answer streams from that
+replica to HAProxy to the client and never passes through here. The pick is the
+model deployment's own request router (prefix-aware routing when the model turns it
+on, else Serve's power of two choices), run here for HAProxy.
+
+It refuses nothing: HAProxy turns any answer but 200 into its own 503 page, which is
+not an OpenAI error. A body that is not JSON (or nests too deep to parse), or names no
+prompt, is routed by load, and the chosen replica's front door gives the client its 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serve_app.serve_internals import ROUTE_PATH, pick_replica, pick_replica_id
+
+logger = logging.getLogger("ray.serve")
+
+
+def routing_request(body: bytes) -> tuple[str, Any] | None:
+    """The replica method a body is for and what the request router reads of it; None to route by load.
+
+    The router reads a chat's ``messages``, ``tools``, ``tool_choice`` and template
+    arguments, or a completion's ``prompt`` (:mod:`serve_app.routing.prompt_text`),
+    as attributes: the parsed body, not yet validated, offers them as a namespace.
+    """
+    try:
+        fields = json.loads(body) if body else None
+    except (ValueError, RecursionError):  # (nested past the parser's depth: hostile, the replica's 400)
+        return None
+    if not isinstance(fields, dict):
+        return None
+    if isinstance(fields.get("messages"), list):
+        chat = {"tools": None, "tool_choice": None, "chat_template_kwargs": None, "add_generation_prompt": True}
+        return "chat", SimpleNamespace(**(chat | fields))
+    if "prompt" in fields:
+        return "completion", SimpleNamespace(**fields)
+    return None
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0},
+    # On every request's path: it must never be what holds requests back.
+    max_ongoing_requests=1000,
+    # Any change to the application's arguments replaces it (they are its code version): its
+    # successor starts before it stops (app.py also keeps it answering while it stops). Without
+    # a surge Serve stopped it first, and HAProxy had no picker to ask for seconds.
+    max_surge_percent=100,
+)
+@serve.ingress()
+class ReplicaPicker:
+    """Names the model replica for each request HAProxy asks about, or (a bare ``serve run``, no
+    HAProxy) each request a model replica received: :meth:`pick`."""
+
+    def __init__(self, model: DeploymentHandle | str) -> None:
+        if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
+            model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
+        # One handle per generation method, made once (not per request); each builds its own
+        # request router, so chat and completion prompts are remembered apart.
+        self.handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
+
+    async def pick(self, method: str, request: Any) -> str:
+        """The full id of the replica the router picks for a parsed ``chat`` or ``completion`` request."""
+        return await pick_replica_id(self.handles[method], request)
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
+
+    async def route(self, request: Request) -> Response:
+        parsed = routing_request(await request.body())
+        if parsed is None:
+            endpoint = await pick_replica(self.handles["chat"])
+        else:
+            method, routing_args = parsed
+            endpoint = await pick_replica(self.handles[method], routing_args)
+        return JSONResponse({"host": endpoint.host, "port": endpoint.port, "replica_id": endpoint.replica_id})

@@ -1,0 +1,353 @@
+"""The model deployment: one vLLM ``AsyncLLM`` engine per replica.
+
+With ``simulated_engine`` in the model's config, that ``AsyncLLM`` generates with
+:mod:`serve_app.simulated_engine` instead of vLLM's engine-core process, and the
+replica follows the cluster's simulation switchboard (tests drive its engine
+through it); nothing else here changes.
+
+Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
+come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
+``OpenAIServingCompletion``), set up by vLLM's ``init_app_state`` exactly as its
+own API server does, then finished for GLM-4 by :mod:`serve_app.glm4.serving`
+(chat template, stop tokens, tool calls). This module only adapts them to Ray
+Serve: it answers each call with the generator protocol of
+:mod:`serve_app.protocol`, and exposes the engine's health to Serve's health
+checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import ray
+from pydantic import BaseModel
+from ray import serve
+
+from serve_app import vllm_internals
+from serve_app.config import ModelConfig, PromptLogprobsConfig, split_engine_args
+from serve_app.engine.context_limit import enforce_context_limit
+from serve_app.engine.engine_watch import EngineProgress, EngineWatch
+from serve_app.engine.stream_transforms import (
+    OutcomeTap,
+    coalesce,
+    end_on_error_event,
+    normalize_error_event,
+)
+from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
+from serve_app.observability import tracing
+from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
+from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, is_error_event
+from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
+
+if TYPE_CHECKING:
+    from serve_app.simulated_engine.core import SimulatedEngineCore
+
+logger = logging.getLogger("ray.serve")
+
+
+class ModelServer:
+    """Serves one model's chat and text completions from a vLLM engine."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits it
+        self, model: ModelConfig, prompt_logprobs: PromptLogprobsConfig | None = None
+    ) -> None:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from serve_app.glm4 import serving as glm4_serving
+        from serve_app.glm4.format import check_dtype
+        from serve_app.simulated_engine import switchboard
+        from serve_app.simulated_engine.core import simulated_async_llm
+
+        self.model_name = model.name
+        self.stream_batching = model.stream_batching
+        tracing.configure_tracing()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        progress = EngineProgress()
+        engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
+        frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
+        if model.simulated_engine is not None:  # every response says it is simulated
+            frontend_kwargs |= {"fingerprint_mode": "custom", "fingerprint_value": SIMULATED_FINGERPRINT}
+        engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
+        with vllm_internals.process_logging_kept():  # (vLLM configures its logging here too)
+            vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
+        check_dtype(vllm_config.model_config.dtype)
+        report_engine_info(model.name, vllm_config)
+        engine_options = dict(
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
+            # with this replica's id; gauges kept while idle). `disable_log_stats` only
+            # silences the periodic log line.
+            stat_loggers=[engine_stat_logger(), progress_stat_logger(progress)],
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+        self.simulated_core: SimulatedEngineCore | None = None
+        if model.simulated_engine is None:
+            with vllm_internals.process_logging_kept():  # (vLLM configures logging as it builds one)
+                self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
+        else:
+            with vllm_internals.process_logging_kept():
+                self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
+            self.simulated_core = vllm_internals.engine_core(self.engine)
+            # Tests drive it through the cluster's switchboard, which reaches a full replica too.
+            self._follow_controls = asyncio.get_running_loop().create_task(
+                switchboard.follow(ray.get_runtime_context().get_actor_id(), self.simulated_core.control)
+            )
+            await asyncio.sleep(model.simulated_engine.load_s)  # the model's load time
+        # vLLM's serving objects read a flat namespace of front-end and engine
+        # arguments, as its CLI parser produces: nested configs given as mappings
+        # in the serve config are taken as the engine resolved them.
+        engine_values = {
+            name: getattr(vllm_config, name) if isinstance(value, dict) and hasattr(vllm_config, name) else value
+            for name, value in vars(engine_args).items()
+        }
+        frontend_args = FrontendArgs(**frontend_kwargs)
+        args = argparse.Namespace(**(vars(frontend_args) | engine_values))
+        state = State()
+        await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
+        stop_ids = glm4_serving.configure(state, self.engine)
+        await asyncio.to_thread(vllm_internals.warm_structured_output_validation, self.engine.get_tokenizer())
+        # (ingress.prompt_logprobs: the longest prompt whose log-probabilities are computed, in tokens)
+        logprobs_prompt_tokens = prompt_logprobs.max_prompt_tokens if prompt_logprobs is not None else None
+        enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP, logprobs_prompt_tokens)
+        enforce_context_limit(
+            state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP, logprobs_prompt_tokens
+        )
+        self.chat_serving = state.openai_serving_chat
+        self.completion_serving = state.openai_serving_completion
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.watch = EngineWatch(
+            engine_dead=lambda: self.engine.errored,
+            leave=self._leave,
+            held=self.engine.get_num_unfinished_requests,
+            fail_requests=self._fail_requests,
+            stall_timeout_s=model.engine_stall_timeout_s,
+            progress=progress,
+        )
+        self.watch.start()
+        logger.info(
+            "model %s ready (max_model_len=%d, eos/stop token ids=%s)", model.name, self.max_model_len, stop_ids
+        )
+
+    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[Answer, None]:
+        """Answer a validated ``ChatCompletionRequest``; ``trace_context`` continues the front door's trace."""
+        async for item in self._answer("chat", self.chat_serving.create_chat_completion, request, trace_context):
+            yield item
+
+    async def completion(
+        self, request: Any, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[Answer, None]:
+        """Answer a validated ``CompletionRequest``; ``trace_context`` continues the front door's trace."""
+        async for item in self._answer("completion", self.completion_serving.create_completion, request, trace_context):
+            yield item
+
+    async def _answer(
+        self, endpoint: str, create: Any, request: Any, trace_context: dict[str, str] | None
+    ) -> AsyncIterator[Answer]:
+        if isinstance(request, PickledRequest):  # a large body, validated in the front door's checker process
+            request = request.load()
+        span = tracing.start_replica_span(
+            f"{endpoint} {self.model_name}",
+            trace_context,
+            {
+                "gen_ai.request.model": self.model_name,
+                "gen_ai.response.id": request.request_id,
+                "serve.replica_id": self.replica_id,
+            },
+        )
+        started = time.monotonic()
+        outcome: Outcome | None = None
+        first_at: float | None = None
+        with self.watch.call():
+            try:
+                async for item in self._generate(create, request):
+                    if isinstance(item, Outcome):
+                        outcome = item
+                    elif first_at is None and isinstance(item, str):  # a stream's first chunk
+                        first_at = time.monotonic()
+                    yield item
+            finally:
+                _close_replica_span(span, outcome, first_at - started if first_at is not None else None)
+
+    async def _generate(self, create: Any, request: Any) -> AsyncIterator[Answer]:
+        """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        if self.watch.failed:
+            yield _unavailable()
+            return
+        tap = _outcome_tap(request) if getattr(request, "stream", False) else None
+        if tap is not None and request.stream_interval is None:  # see StreamBatchingConfig
+            held = self.engine.get_num_unfinished_requests()
+            request.stream_interval = self.stream_batching.tokens_per_chunk(held)
+        try:
+            result = await create(request)
+        except Exception as exc:  # vLLM maps its exceptions to statuses; so do we
+            result = create_error_response(exc)
+        if isinstance(result, ErrorResponse):
+            # The engine died while it held this request, which may be what killed it: not retryable.
+            yield (
+                _engine_failed()
+                if self.watch.failed
+                else Reply.error(result.error.code, result.error.message, result.error.param)
+            )
+        elif isinstance(result, BaseModel):
+            yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
+        else:
+            assert tap is not None
+            events = end_on_error_event(result, rewrite=self._error_event)
+            async with aclosing(coalesce(tap.tap(events))) as stream:
+                first = await anext(stream, None)
+                if first is not None and is_error_event(first) and self.watch.failed:
+                    yield _engine_failed()  # before the first token: still a status, not a stream
+                    return
+                if first is not None:
+                    yield first
+                async for chunk in stream:
+                    yield chunk
+            if tap.outcome is not None:
+                yield tap.outcome
+
+    def _error_event(self, chunk: str) -> str:
+        """A stream's error event; when the engine died or hung under it, it says so (``engine_failed``)."""
+        if self.watch.failed:
+            return sse_error_event(*_ENGINE_FAILED_ERROR).decode()
+        return normalize_error_event(chunk)
+
+    async def ping(self) -> str:
+        """The model's name, once the engine is healthy: for operators and tests with a handle
+        (``/health`` reads Serve's status instead, never a replica)."""
+        await self.check_health()
+        return self.model_name
+
+    async def in_flight(self) -> int:
+        """Requests this replica's engine still holds (running or waiting).
+
+        Read through a deployment handle by operators and by the tests that
+        prove abandoned and timed-out requests are aborted.
+        """
+        return self.engine.get_num_unfinished_requests()
+
+    async def engine_load(self) -> tuple[str, int]:
+        """This replica's Ray actor id and the requests its engine holds: which replica is busy.
+
+        For operators, and for the autoscale test, which kills the engine of a replica
+        seen holding requests (Serve's router may leave one replica idle for a while).
+        """
+        return ray.get_runtime_context().get_actor_id(), await self.in_flight()
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead or hung engine makes Serve replace this replica (if it has not left)."""
+        if self.watch.stalled:
+            raise RuntimeError("the vLLM engine is hung: it holds requests and produces no output")
+        await self.engine.check_health()
+
+    def _fail_requests(self) -> None:
+        """Give every request the hung engine holds an error, as vLLM does when its engine dies."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        vllm_internals.fail_engine_requests(self.engine, EngineDeadError("the engine stopped making progress"))
+
+    def _leave(self) -> None:
+        """End this replica's process (its engine died); see :mod:`serve_app.engine.engine_watch`."""
+        self.engine.shutdown()  # whatever of the engine still runs goes with it
+        os._exit(1)
+
+    def __del__(self) -> None:
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.stopping = True  # Serve is stopping this replica: the engine's shutdown is no death
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def progress_stat_logger(progress: EngineProgress) -> Any:
+    """A vLLM stat logger (vLLM calls ``record`` after every engine step) that feeds ``progress``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineProgressLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            progress.saw_output()
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return EngineProgressLogger
+
+
+def _outcome_tap(request: Any) -> OutcomeTap:
+    """Turn the usage chunk on for a stream, remembering whether its client asked for it."""
+    from vllm.entrypoints.generate.base.protocol import StreamOptions
+
+    options = request.stream_options
+    client_asked = bool(options and options.include_usage)
+    if not client_asked:  # (continuous usage has no effect without include_usage: keep it off)
+        request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=False)
+    return OutcomeTap(client_asked)
+
+
+def _outcome_of(result: BaseModel) -> Outcome | None:
+    usage = getattr(result, "usage", None)
+    if usage is None:
+        return None
+    reasons = tuple(c.finish_reason for c in getattr(result, "choices", ()) if getattr(c, "finish_reason", None))
+    return Outcome(usage.prompt_tokens, usage.completion_tokens or 0, reasons)
+
+
+def _close_replica_span(span: Any, outcome: Outcome | None, ttft_s: float | None) -> None:
+    if not span.is_recording():
+        return
+    if ttft_s is not None:
+        span.set_attribute("llm.time_to_first_token_s", ttft_s)
+    if outcome is not None:
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": outcome.prompt_tokens,
+                "gen_ai.usage.output_tokens": outcome.completion_tokens,
+                "gen_ai.response.finish_reasons": list(outcome.finish_reasons),
+            }
+        )
+    span.end()
+
+
+def _unavailable() -> Reply:
+    """Refused before the engine saw it (the engine was already dead): the front door sends it
+    again, and this replica exits within seconds, so the retry lands on another (EngineWatch)."""
+    return Reply.error(503, "the model engine on this replica died; retry shortly", code=UNAVAILABLE)
+
+
+_ENGINE_FAILED_ERROR = (
+    500,
+    "the model engine failed while it was generating this answer; the request was not retried, "
+    "in case it caused the failure",
+    ENGINE_FAILED,
+)
+
+
+def _engine_failed() -> Reply:
+    """The engine died while it held this request. The request may be what killed it (vLLM
+    has had inputs that crash it), so it is answered, once, and never sent to another replica."""
+    status, message, code = _ENGINE_FAILED_ERROR
+    return Reply.error(status, message, code=code)

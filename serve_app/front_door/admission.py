@@ -1,0 +1,129 @@
+"""What every generation request passes between its bytes and a model replica, whichever protocol brought it.
+
+The HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
+(:mod:`serve_app.front_door.grpc_api.service`) receive requests differently and answer
+differently. Both hand :func:`admit` the request's bytes (a gRPC message is
+given as its serialized bytes and a function that turns them into the HTTP
+API's JSON), and it does the rest the same way for both: the size limit (413),
+parsing and the structure checks (400; bodies over 256 KiB in the checker
+process, :mod:`serve_app.front_door.large_bodies`), routing by ``model`` (404),
+validation with vLLM's request model (:mod:`serve_app.front_door.validation`, 400),
+what the request may cost (:mod:`serve_app.front_door.request_cost`, 400), its
+grammar built first within a time limit (:mod:`serve_app.front_door.grammar_build`, 400), a
+replica place per engine sequence with its key's rank
+(:mod:`serve_app.front_door.capacity`, 429) and the key's rate limits (429).
+The API key and the request's first place are taken by each door as the request
+arrives, before its body is read, from the same objects (``settings.api_keys``,
+``settings.generation_slots``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.errors import APIError
+from serve_app.front_door.capacity import SlotHold
+from serve_app.front_door.endpoints import Endpoint
+from serve_app.front_door.engine_call import TokenCounter
+from serve_app.front_door.grammar_build import pickled
+from serve_app.front_door.large_bodies import LARGE_BODY_BYTES, ToJSON
+from serve_app.front_door.models import ModelCatalog, ModelEntry
+from serve_app.front_door.rate_limits import KeyLimits
+from serve_app.front_door.record import RequestRecord
+from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
+from serve_app.front_door.settings import IngressSettings
+from serve_app.front_door.validation import decode_body, parse_request
+from serve_app.protocol import GenerationRequest, with_priority
+
+
+def validated(
+    models: ModelCatalog[Any], settings: IngressSettings, endpoint: Endpoint, body: dict[str, Any]
+) -> tuple[ModelEntry[Any], GenerationRequest, BodySize]:
+    """The model entry, the validated request and the measured costs of a decoded ``body``: 404 before any 400."""
+    entry = models.entry_for(body.get("model"))
+    payload = parse_request(endpoint.request_model, body)
+    size = measure(body)
+    check_limits(body, entry, settings, size)
+    return entry, payload, size
+
+
+def hold_sequences(
+    hold: SlotHold | None, body: dict[str, Any], size: BodySize, payload: GenerationRequest, record: RequestRecord
+) -> GenerationRequest:
+    """Hold a place of the replica for each engine sequence the request starts
+    (429 if they are not free) and give the request its key's rank as its engine priority."""
+    if hold is None:
+        return payload
+    hold.grow_to(engine_sequences(body, size.prompt.prompts), record)
+    return with_priority(payload, hold.rank)
+
+
+def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:
+    """The server's own limits on what one request costs the engine (:mod:`serve_app.front_door.request_cost`)."""
+    check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
+
+
+async def build_grammar_first(settings: IngressSettings, payload: GenerationRequest, size: BodySize) -> None:
+    """Build the request's grammar in the checker process, within ``ingress.max_grammar_build_s``
+    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`)."""
+    if size.grammar_chars and settings.costs.max_grammar_build_s is not None:
+        await settings.body_checker.build_grammar(
+            pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param
+        )
+
+
+async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCounter | None:
+    """Ask the limits of the request's key (429 when spent), leaving in ``record`` the place it takes among
+    its key's requests at once (given back as the record ends); the counter to tell its tokens to, when
+    they are counted."""
+    if limits is None or record.key_id is None:
+        return None
+    record.key_lease = await limits.admit(record.key_id)
+    return functools.partial(limits.charge, record.key_id) if limits.counts_tokens else None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request let through: the model that answers it, the request to send, and whom to tell its tokens."""
+
+    entry: ModelEntry[Any]
+    payload: GenerationRequest
+    on_tokens: TokenCounter | None
+
+
+async def admit(
+    raw: bytes,
+    endpoint: Endpoint,
+    models: ModelCatalog[Any],
+    settings: IngressSettings,
+    record: RequestRecord,
+    hold: SlotHold | None = None,
+    to_json: ToJSON | None = None,
+) -> Admitted:
+    """Every rule between a request's bytes and a replica (the module's docstring), raising the
+    :class:`APIError` the client gets; ``to_json`` turns ``raw`` into JSON when it is not JSON."""
+    if len(raw) > settings.max_request_body_bytes:
+        raise APIError(413, f"the request is {len(raw)} bytes; the limit is {settings.max_request_body_bytes} bytes")
+    decode: Callable[[bytes], dict[str, Any]] = (
+        decode_body if to_json is None else lambda data: decode_body(to_json(data))
+    )
+    payload: GenerationRequest
+    if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
+        checked = await settings.body_checker.check(endpoint.request_model, raw, to_json)
+        body, payload, size = checked.fields, checked.request, checked.size
+        entry = models.entry_for(body.get("model"))
+        check_limits(body, entry, settings, size)
+    else:
+        body = decode(raw)
+        entry, payload, size = validated(models, settings, endpoint, body)
+    await build_grammar_first(settings, payload, size)
+    record.model = entry.name
+    payload = hold_sequences(hold, body, size, payload, record)
+    record.request_id, record.stream = payload.request_id, bool(payload.stream)
+    if record.keep_content:
+        record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode, raw)
+    return Admitted(entry, payload, await admit_key(settings.key_limits, record))

@@ -1,0 +1,216 @@
+"""The gRPC front door: ``glm4serve.v1.Generation`` and ``grpc.health.v1.Health``, answered in the model replica.
+
+Ray Serve's gRPC proxy receives each call and hands it, with a copy of its
+metadata, to the model deployment's method of the same name
+(:class:`serve_app.deployments.model_server.DirectModelServer`), which runs :class:`GenerationService`.
+A call goes the way an HTTP request goes: API key, validation by the same code
+(:mod:`serve_app.front_door.admission`), rate limits, a replica through
+:func:`~serve_app.front_door.engine_call.call_replica`, its stream read by
+:func:`~serve_app.front_door.engine_call.stream_sse`, and the same record for
+metrics, the log line and the span. Only the ends differ:
+
+* every stream ends with exactly one response whose ``final`` is set: it carries
+  the finish reasons and usage, or the error that ended the stream;
+* a call that ends in an error also ends with that error's gRPC status
+  (:func:`serve_app.errors.grpc_status`), refused before streaming or not, and
+  a refusal worth retrying (429, 503) carries ``retry-after`` (seconds) and
+  ``grpc-retry-pushback-ms`` in its trailing metadata.
+
+The client's deadline is gRPC's own: when it passes, the proxy cancels the call,
+which cancels it here and aborts the request in the engine, as a client that
+leaves does; ``x-request-timeout`` metadata shortens the server's limits as the
+HTTP header does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import ExitStack, aclosing
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf.message import Message
+
+from serve_app.errors import APIError, grpc_status
+from serve_app.front_door.admission import admit
+from serve_app.front_door.auth import authenticate
+from serve_app.front_door.capacity import SlotHold
+from serve_app.front_door.deadlines import Deadline, requested_timeout
+from serve_app.front_door.endpoints import Endpoint
+from serve_app.front_door.engine_call import call_replica, settle_reply, stream_sse
+from serve_app.front_door.grpc_api.messages import (
+    CHAT,
+    COMPLETION,
+    ResponseWriter,
+    StreamShape,
+    error_of_event,
+    message_json,
+)
+from serve_app.front_door.models import ModelCatalog
+from serve_app.front_door.readiness import Readiness
+from serve_app.front_door.record import RequestRecord, end_record
+from serve_app.front_door.settings import IngressSettings
+from serve_app.observability import tracing
+from serve_app.protocol import Reply
+
+logger = logging.getLogger("ray.serve")
+
+SERVICE = "glm4serve.v1.Generation"
+RETRY_AFTER_S = 1  # what a refusal worth retrying tells the client to wait, as the HTTP API's Retry-After
+
+
+class GRPCContext(Protocol):
+    """What the service uses of Ray Serve's ``RayServegRPCContext``: a copy of the call's context,
+    sent back to the proxy with each response, which applies its code, details and trailing metadata."""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]: ...
+
+    def set_code(self, code: grpc.StatusCode) -> None: ...
+
+    def set_details(self, details: str) -> None: ...
+
+    def trailing_metadata(self) -> list[tuple[str, str]]: ...
+
+    def set_trailing_metadata(self, metadata: list[tuple[str, str]]) -> None: ...
+
+
+class ReadinessReader(Protocol):
+    def readiness(self) -> Readiness: ...
+
+
+class GenerationService:
+    """The gRPC API's calls, over the same model catalog and settings as the HTTP routes."""
+
+    def __init__(
+        self,
+        models: ModelCatalog[Any],
+        settings: IngressSettings,
+        endpoints: list[Endpoint],
+        readiness: ReadinessReader,
+    ) -> None:
+        self.models = models
+        self.settings = settings
+        self.endpoints = {e.method: e for e in endpoints}
+        self.readiness = readiness
+        self.observers = settings.observers()
+
+    def chat_completion(self, request: Message, context: GRPCContext) -> AsyncIterator[Message]:
+        return self._generate(CHAT, self.endpoints["chat"], request, context)
+
+    def completion(self, request: Message, context: GRPCContext) -> AsyncIterator[Message]:
+        return self._generate(COMPLETION, self.endpoints["completion"], request, context)
+
+    async def _generate(
+        self, shape: StreamShape, endpoint: Endpoint, request: Message, context: GRPCContext
+    ) -> AsyncIterator[Message]:
+        metadata = dict(context.invocation_metadata())
+        metrics = self.settings.metrics
+        record = RequestRecord(
+            endpoint.method,
+            protocol="grpc",
+            stream=True,
+            on_phase=metrics.moved if metrics is not None else None,
+            keep_content=self.settings.log_content,
+        )
+        method = f"{SERVICE}/{type(request).__name__.removesuffix('Request')}"
+        record.span = tracing.start_request_span(
+            method, metadata, {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method.split("/")[1]}
+        )
+        writer = ResponseWriter(shape, model=getattr(request, "model", ""))
+        try:
+            async with aclosing(self._answer(endpoint, request, metadata, record, writer, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            end_record(record, self.observers)
+
+    async def _answer(
+        self,
+        endpoint: Endpoint,
+        request: Message,
+        metadata: Mapping[str, str],
+        record: RequestRecord,
+        writer: ResponseWriter,
+        context: GRPCContext,
+    ) -> AsyncGenerator[Message, None]:
+        settings = self.settings
+        with ExitStack() as holding:  # a place among the replica's generation requests, held to the end
+            try:
+                if settings.api_keys is not None:
+                    record.key_id = authenticate(settings.api_keys, metadata)
+                hold: SlotHold | None = None
+                if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
+                    hold = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
+                deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
+                to_json = functools.partial(message_json, type(request))
+                raw = request.SerializeToString()
+                admitted = await admit(raw, endpoint, self.models, settings, record, hold, to_json)
+                first, rest = await call_replica(
+                    admitted.entry.handle,
+                    endpoint.method,
+                    admitted.payload,
+                    deadline,
+                    record,
+                    settings.unavailable_retry_s,
+                )
+            except APIError as refusal:
+                yield self._end(record, writer, context, refusal)
+                return
+            except Exception as exc:  # a bug here must still end the stream as the API promises
+                logger.exception("unhandled error in the gRPC service", exc_info=exc)
+                yield self._end(record, writer, context, APIError(500, "internal server error", code="internal_error"))
+                return
+            if isinstance(first, Reply):  # refused by the replica before any token (too long a prompt, ...)
+                settle_reply(first, record, admitted.on_tokens)
+                yield self._end(record, writer, context, _error_of_reply(first))
+                return
+            error: APIError | None = None
+            # The stream ends after an error event, once it has read the engine's outcome.
+            async with aclosing(stream_sse(first, rest, deadline, record, admitted.on_tokens)) as chunks:
+                async for chunk in chunks:
+                    if record.first_byte_at is None:
+                        record.first_byte_at = time.monotonic()
+                    text = chunk if isinstance(chunk, str) else chunk.decode()
+                    if record.keep_content:
+                        record.response_bytes.append(text.encode())
+                    response, error = writer.response(text)
+                    if response is not None:
+                        yield response
+            yield self._end(record, writer, context, error)
+
+    def _end(
+        self, record: RequestRecord, writer: ResponseWriter, context: GRPCContext, error: APIError | None
+    ) -> Message:
+        """The final response; with an error, also the call's status (and a retry hint when retrying helps)."""
+        record.completed = True
+        if error is None:
+            record.status = record.status or 200
+            return writer.final(record.outcome)
+        record.failed(error.status, error.code)
+        context.set_code(grpc_status(error.status))
+        context.set_details(error.message)
+        if error.status in (429, 503):
+            seconds = int((error.headers or {}).get("Retry-After", RETRY_AFTER_S))
+            hint = [("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000))]
+            context.set_trailing_metadata(list(context.trailing_metadata()) + hint)
+        return writer.final(record.outcome, error)
+
+    def health(self, service: str) -> tuple[bool, str] | None:
+        """Whether ``service`` ("" for the whole server) can answer now, and why not; None for an unknown service."""
+        if service not in ("", SERVICE):
+            return None
+        readiness = self.readiness.readiness()
+        return readiness.ready, "" if readiness.ready else readiness.problem()
+
+
+def _error_of_reply(reply: Reply) -> APIError:
+    """The error of a replica's whole-body refusal, with the Retry-After the HTTP API would send."""
+    error = error_of_event(json.loads(reply.body))
+    error.status = reply.status
+    if reply.status == 503:
+        error.headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return error

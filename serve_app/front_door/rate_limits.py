@@ -1,0 +1,146 @@
+"""Per-API-key limits, the front door's side: ask the RateLimiter before a request, report after it.
+
+The counts live in one deployment (:class:`serve_app.deployments.rate_limiter.RateLimiter`,
+shared by every model replica). A key's requests under way at once are leases: the front door
+takes one as it admits a request and gives it back when the request's record ends (every
+request ends one, whatever became of it).
+
+If the limiter cannot be reached, the request and token rates are not checked
+and a warning is logged: an outage of the bookkeeping must not become an outage
+of the API. The concurrency limit is then kept by each replica on its own (a
+key holds at most that many requests in each), not dropped. Runs in each model replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serve_app.errors import APIError
+from serve_app.front_door.record import KeyLease, RequestRecord
+
+logger = logging.getLogger("ray.serve")
+
+LIMITER_TIMEOUT_S = 2.0  # an admission waits this long for the limiter, then goes ahead
+
+
+CONCURRENT = "requests at once"
+CONCURRENT_RETRY_S = 1.0  # a request of the key may end any moment
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether a request may go ahead; if not, which limit stops it and for how long."""
+
+    allowed: bool
+    limit: str | None = None  # "requests per minute", "tokens per minute" or "requests at once"
+    retry_after_s: float = 0.0
+
+
+def rate_limited(decision: Decision) -> APIError:
+    """The 429 for a refused request; ``Retry-After`` in whole seconds, at least one."""
+    seconds = max(1, math.ceil(decision.retry_after_s))
+    return APIError(
+        429,
+        f"rate limit reached: this API key's {decision.limit}; retry after {seconds} s",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(seconds)},
+    )
+
+
+class RemoteMethod(Protocol):
+    """A method of a Serve deployment handle: ``.remote(...)`` sends the call."""
+
+    def remote(self, *args: Any) -> Any: ...
+
+
+class LimiterHandle(Protocol):
+    """What the front door calls on the RateLimiter deployment (a Serve handle to it, in production)."""
+
+    @property
+    def admit(self) -> RemoteMethod: ...
+
+    @property
+    def charge(self) -> RemoteMethod: ...
+
+    @property
+    def release(self) -> RemoteMethod: ...
+
+
+class KeyLimits:
+    """The front door's side of the limits: ask before a request, report tokens after its answer, give
+    its place back when it ends. ``max_concurrent`` is also this replica's own limit per key, kept
+    while the limiter cannot be reached; ``lease_s`` how long the limiter holds a place not given back."""
+
+    def __init__(
+        self, limiter: LimiterHandle, counts_tokens: bool, max_concurrent: int | None = None, lease_s: float = 660.0
+    ) -> None:
+        self.limiter = limiter
+        self.counts_tokens = counts_tokens  # whether answers must report their usage
+        self.max_concurrent = max_concurrent
+        self.lease_s = lease_s
+        self.held: Counter[str] = Counter()  # each key's requests under way in this replica
+        self._calls: set[asyncio.Task[None]] = set()
+
+    async def admit(self, key_id: str) -> KeyLease | None:
+        """The request's lease if ``key_id`` may send one now (None without a concurrency limit);
+        raise the 429 otherwise. Give the lease back with :meth:`ended`."""
+        lease_id = uuid.uuid4().hex if self.max_concurrent is not None else None
+        response = self.limiter.admit.remote(key_id, lease_id, self.lease_s)
+        try:
+            decision = await asyncio.wait_for(_result(response), LIMITER_TIMEOUT_S)
+        except Exception as exc:  # see the module's docstring
+            response.cancel()
+            if self.max_concurrent is not None and self.held[key_id] >= self.max_concurrent:
+                raise rate_limited(Decision(False, CONCURRENT, CONCURRENT_RETRY_S)) from None
+            logger.warning("rate limiter unreachable (%s); admitting the request", type(exc).__name__)
+            return self._hold(key_id, lease_id, at_limiter=False)
+        if not decision.allowed:
+            raise rate_limited(decision)
+        return self._hold(key_id, lease_id, at_limiter=True)
+
+    def _hold(self, key_id: str, lease_id: str | None, at_limiter: bool) -> KeyLease | None:
+        if lease_id is None:
+            return None
+        self.held[key_id] += 1
+        return KeyLease(key_id, lease_id, at_limiter)
+
+    def ended(self, lease: KeyLease) -> None:
+        """A request holding ``lease`` ended: its place is free again, here and at the limiter."""
+        self.held[lease.key_id] -= 1
+        if not self.held[lease.key_id]:
+            del self.held[lease.key_id]
+        if lease.at_limiter:
+            self._call("release", lease.key_id, lease.lease_id)
+
+    def request_ended(self, record: RequestRecord) -> None:
+        """An observer of every request's end (see :func:`serve_app.front_door.record.end_record`)."""
+        if record.key_lease is not None:
+            self.ended(record.key_lease)
+            record.key_lease = None
+
+    def charge(self, key_id: str, tokens: int) -> None:
+        """Report the tokens an answer used, without making the answer wait."""
+        if tokens > 0:
+            self._call("charge", key_id, tokens)
+
+    def _call(self, method: str, *args: Any) -> None:
+        """Call the limiter's ``method`` in the background (nothing waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._send(method, *args))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _send(self, method: str, *args: Any) -> None:
+        try:
+            await asyncio.wait_for(_result(getattr(self.limiter, method).remote(*args)), LIMITER_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("could not %s at the rate limiter (%s)", method, type(exc).__name__)
+
+
+async def _result(response: Any) -> Any:
+    return await response

@@ -1,0 +1,231 @@
+"""RequestRecord: what one generation request did, filled in as it happens.
+
+:class:`ObserveRequests` (ASGI middleware) opens a record when a generation
+request arrives and closes it when its last byte is written or its client
+leaves; in between the handler and the stream relay fill in the model, the
+request id, the outcome the replica reported and any error. When the record
+closes, the same facts become the metrics, the request's log line and its span
+attributes, so the three never disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve_app.errors import grpc_status
+from serve_app.front_door.route_path import route_path
+from serve_app.observability import tracing
+from serve_app.protocol import Outcome
+
+CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
+
+
+@dataclass(frozen=True)
+class KeyLease:
+    """A request's place among its key's requests at once: in this replica's count, and at the limiter."""
+
+    key_id: str
+    lease_id: str
+    at_limiter: bool  # False: taken while the limiter could not be reached (this replica's count only)
+
+
+class Phase(enum.Enum):
+    RECEIVED = "received"  # being read, validated, routed
+    QUEUED = "queued"  # sent to a model replica, no first token yet
+    RUNNING = "running"  # the answer is being written
+    ENDED = "ended"
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    endpoint: str  # "chat" or "completion"
+    protocol: str = "http"  # or "grpc"; statuses are HTTP's either way (the gRPC service maps its own)
+    started_at: float = field(default_factory=time.monotonic)
+    model: str | None = None  # set once routed; never a client's unknown model name
+    request_id: str | None = None
+    key_id: str | None = None  # hashed API key, when keys are configured
+    key_lease: KeyLease | None = None  # its place among its key's requests at once, given back at its end
+    stream: bool = False
+    phase: Phase = Phase.RECEIVED
+    status: int | None = None
+    error_code: str | None = None
+    attempts: int = 0  # calls made to model replicas: more than 1 means it was sent again
+    first_byte_at: float | None = None
+    ended_at: float | None = None
+    completed: bool = False  # the last byte was written
+    outcome: Outcome | None = None
+    span: Any = None
+    on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None
+    # Only when content logging is on: the request's body and the answer's bytes.
+    keep_content: bool = False
+    request_body: dict[str, Any] | None = None
+    response_bytes: list[bytes] = field(default_factory=list)
+
+    def enter(self, phase: Phase) -> None:
+        old, self.phase = self.phase, phase
+        if self.on_phase is not None and self.model is not None and old is not phase:
+            self.on_phase(self, old, phase)
+
+    def failed(self, status: int, code: str | None) -> None:
+        """The answer is an error (before or during the stream)."""
+        self.status, self.error_code = status, code
+
+    @property
+    def aborted(self) -> bool:
+        return self.status == CLIENT_GONE
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = self.outcome.finish_reasons if self.outcome else ()
+        return reasons[0] if reasons else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Streams only: a whole answer's first byte is its last token."""
+        if not self.stream or self.first_byte_at is None:
+            return None
+        return self.first_byte_at - self.started_at
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.ended_at is None else self.ended_at - self.started_at
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, as vLLM defines it; None with fewer than two tokens."""
+        tokens = self.outcome.completion_tokens if self.outcome else 0
+        started = self.first_byte_at if self.stream else None  # when ttft_s is known
+        if tokens < 2 or started is None or self.ended_at is None or not self.completed:
+            return None
+        return (self.ended_at - started) / (tokens - 1)
+
+
+Observer = Callable[[RequestRecord], None]
+
+
+class RequestObserver(Protocol):
+    """Told of each request as it moves between phases and when it ends (ServingMetrics)."""
+
+    def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None: ...
+
+    def ended(self, record: RequestRecord) -> None: ...
+
+
+class ObserveRequests:
+    """ASGI middleware: a :class:`RequestRecord` and a span for each request to ``paths``.
+
+    The record is at ``request.state.record`` for the handlers. Its status is the
+    one written to the client, unless the handler marked the answer failed
+    mid-stream; a response that never finished is a client that left.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        paths: dict[str, str],
+        observers: list[Observer],
+        on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None,
+        keep_content: bool = False,
+    ) -> None:
+        self.app = app
+        self.paths = paths  # path -> endpoint name
+        self.observers = observers
+        self.on_phase = on_phase
+        self.keep_content = keep_content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        observed = scope["type"] == "http" and scope.get("method") == "POST"
+        endpoint = self.paths.get(route_path(scope)) if observed else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(endpoint, on_phase=self.on_phase, keep_content=self.keep_content)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        record.span = tracing.start_request_span(
+            f"{scope.get('method', 'POST')} {scope['path']}",
+            headers,
+            {"http.request.method": scope.get("method", "POST"), "url.path": scope["path"]},
+        )
+        scope.setdefault("state", {})["record"] = record
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                if record.status is None:
+                    record.status = message["status"]
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if body and record.first_byte_at is None:
+                    record.first_byte_at = time.monotonic()
+                if record.keep_content and body:
+                    record.response_bytes.append(body)
+                if not message.get("more_body", False):
+                    record.completed = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        except asyncio.CancelledError:  # Serve cancels a request whose client left
+            raise
+        except Exception as exc:
+            if record.status is not None and _client_left(exc):
+                return  # mid-response: nobody is there to answer, and nothing went wrong here
+            if record.status is None:
+                record.status = 500
+            raise
+        finally:
+            end_record(record, self.observers)
+
+
+def end_record(record: RequestRecord, observers: list[Observer]) -> None:
+    """Close ``record``: an answer that never finished is a client that left; tell ``observers``; end its span."""
+    record.ended_at = time.monotonic()
+    if not record.completed and record.status != 500:
+        record.status = CLIENT_GONE
+    record.enter(Phase.ENDED)
+    for observe in observers:
+        observe(record)
+    close_span(record)
+
+
+def _client_left(exc: BaseException) -> bool:
+    """Serve reports a client that left as a cancelled task; once a response has started,
+    Starlette re-raises it wrapped in a RuntimeError ("response already started")."""
+    from ray.exceptions import TaskCancelledError
+
+    return isinstance(exc, TaskCancelledError) or isinstance(exc.__cause__, TaskCancelledError)
+
+
+def close_span(record: RequestRecord) -> None:
+    """End the front door's span with the request's facts as attributes (OpenTelemetry's names where they exist)."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span = record.span
+    if span is None or not span.is_recording():
+        return
+    attributes: dict[str, Any] = {"llm.stream": record.stream}
+    if record.protocol == "grpc":
+        attributes["rpc.grpc.status_code"] = grpc_status(record.status or 500).value[0]
+    else:
+        attributes["http.response.status_code"] = record.status or 0
+    optional: dict[str, Any] = {
+        "gen_ai.request.model": record.model,
+        "gen_ai.response.id": record.request_id,
+        "llm.time_to_first_token_s": record.ttft_s,
+        "error.type": record.error_code,
+    }
+    if record.outcome is not None:
+        optional["gen_ai.usage.input_tokens"] = record.outcome.prompt_tokens
+        optional["gen_ai.usage.output_tokens"] = record.outcome.completion_tokens
+        optional["gen_ai.response.finish_reasons"] = list(record.outcome.finish_reasons)
+    attributes |= {name: value for name, value in optional.items() if value is not None}
+    span.set_attributes(attributes)
+    if record.status is not None and record.status >= 500 and not record.aborted:
+        span.set_status(Status(StatusCode.ERROR, record.error_code or str(record.status)))
+    span.end()

@@ -1,0 +1,85 @@
+"""One structured log line per generation request, written by the model replica that served it.
+
+The line is a JSON object in the message of Ray Serve's replica logger, so it
+lands in the model replica's log (``/tmp/ray/session_latest/logs/serve/`` on
+a local cluster) next to Serve's own access line, and any log shipper can
+parse it. Prompts and completions are left out unless
+``ingress.log_content`` is on: they are the users' data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from serve_app.front_door.record import RequestRecord
+
+logger = logging.getLogger("ray.serve")
+
+
+def request_fields(record: RequestRecord) -> dict[str, Any]:
+    """The facts of one request, in milliseconds where they are times."""
+    outcome = record.outcome
+    ttft, duration = record.ttft_s, record.duration_s
+    fields: dict[str, Any] = {
+        "event": "request",
+        "id": record.request_id,
+        "model": record.model,
+        "endpoint": record.endpoint,
+        "protocol": record.protocol,
+        "stream": record.stream,
+        "status": record.status,
+        "error": record.error_code,
+        "attempts": record.attempts,
+        "finish_reason": record.finish_reason,
+        "prompt_tokens": outcome.prompt_tokens if outcome else None,
+        "completion_tokens": outcome.completion_tokens if outcome else None,
+        "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        "duration_ms": round(duration * 1000, 1) if duration is not None else None,
+    }
+    if record.key_id is not None:
+        fields["key_id"] = record.key_id
+    if record.span is not None and record.span.get_span_context().is_valid:
+        fields["trace_id"] = format(record.span.get_span_context().trace_id, "032x")
+    if record.keep_content:
+        fields["request"] = _request_content(record.request_body)
+        fields["completion"] = completion_text(b"".join(record.response_bytes), record.stream)
+    return fields
+
+
+def log_request(record: RequestRecord) -> None:
+    logger.info(json.dumps(request_fields(record), separators=(",", ":"), ensure_ascii=False))
+
+
+def _request_content(body: dict[str, Any] | None) -> Any:
+    if body is None:
+        return None
+    return {name: body[name] for name in ("messages", "prompt", "tools") if name in body}
+
+
+def completion_text(body: bytes, stream: bool) -> list[str] | None:
+    """Each choice's text (or tool calls, as JSON) from a whole answer or an SSE stream."""
+    texts: dict[int, list[str]] = {}
+    try:
+        documents = _sse_documents(body) if stream else [json.loads(body)]
+    except ValueError:
+        return None
+    for document in documents:
+        for choice in document.get("choices") or []:
+            part = choice.get("delta") or choice.get("message") or choice
+            piece = part.get("content") or part.get("text") or ""
+            if part.get("tool_calls"):
+                piece += json.dumps(part["tool_calls"], ensure_ascii=False)
+            texts.setdefault(choice.get("index", 0), []).append(piece)
+    return ["".join(texts[index]) for index in sorted(texts)] or None
+
+
+def _sse_documents(body: bytes) -> list[dict[str, Any]]:
+    documents = []
+    for line in body.decode("utf-8", errors="replace").splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            document = json.loads(line[len("data: ") :])
+            if isinstance(document, dict):
+                documents.append(document)
+    return documents
