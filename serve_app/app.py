@@ -8,7 +8,8 @@ deployment as the application's ingress
 its clients itself), the :class:`~serve_app.deployments.replica_picker.ReplicaPicker` that Serve's
 HAProxy asks which replica takes each request, and, when per-key rate limits are
 configured, the :class:`~serve_app.front_door.rate_limits.RateLimiter` every model replica
-asks. Settings are read in :mod:`serve_app.config`; they act in the deployments.
+asks. Settings are read in :mod:`serve_app.config`, turned into Serve's options in
+:mod:`serve_app.deployments.options`, and act in the deployments.
 """
 
 from __future__ import annotations
@@ -20,22 +21,12 @@ from ray import serve
 from ray.serve import Application, Deployment
 
 from serve_app.config import parse_app_config
+from serve_app.deployments.options import MODEL_SERVER, model_server_options, picker_options
 from serve_app.deployments.rate_limiter import RateLimiter
 from serve_app.deployments.replica_picker import ReplicaPicker
 from serve_app.serve_internals import haproxy_deregistration_s, haproxy_enabled, with_ingress_request_router
 
 logger = logging.getLogger("ray.serve")
-
-# The model deployment's class, by its import path: Serve imports it in each model replica, and
-# the application's build (a process of its own for each application and each deploy) never
-# imports vLLM (8 s of CPU there, for nothing: the config is checked against vLLM's own argument
-# names read from its source, serve_app.vllm_internals).
-MODEL_SERVER = "serve_app.deployments.model_server.DirectModelServer"
-# The model replica's health check only reads the engine's state, so it runs often. A replica
-# whose engine died exits by itself (serve_app.engine.engine_watch); the check is the backstop.
-MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check_timeout_s": 30}
-# Past its drain, how long Serve lets a stopping ReplicaPicker close before killing it.
-PICKER_STOP_MARGIN_S = 5.0
 
 
 def deployment(cls: type) -> Deployment:
@@ -60,8 +51,7 @@ def build_app(args: dict[str, Any]) -> Application:
     (model,) = config.models
     if config.ingress.applies_fair_share:
         model = model.with_priority_scheduling()
-    model_server = serve.deployment(name=model.deployment_name, **MODEL_HEALTH_CHECKS)(MODEL_SERVER)
-    server_options = model.resolved_direct_deployment(config.ingress.request_timeout_s)
+    model_server = serve.deployment(**model_server_options(model, config.ingress.request_timeout_s))(MODEL_SERVER)
     if not haproxy_enabled():
         logger.warning(
             "Serve's HAProxy is off (RAY_SERVE_ENABLE_HA_PROXY=1, deploy/cluster.env): "
@@ -70,13 +60,7 @@ def build_app(args: dict[str, Any]) -> Application:
         # Serve's proxy cannot read the prompt: with prefix routing, the replica it picks asks the
         # ReplicaPicker (by the model deployment's name: it holds no handle back) which answers.
         picker = deployment(ReplicaPicker).bind(model.deployment_name) if model.prefix_routing.enabled else None
-        return model_server.options(**server_options).bind(model, config, rate_limiter, picker)
-    server = model_server.options(**server_options).bind(model, config, rate_limiter)
-    # A ReplicaPicker Serve stops keeps answering as long as a model replica would (Serve drains
-    # only the ingress's replicas): an HAProxy process of the configuration before still sends
-    # the requests of its open keep-alive connections to it (docs/operations.md).
-    drain_s = haproxy_deregistration_s()
-    picker = deployment(ReplicaPicker).options(
-        graceful_shutdown_wait_loop_s=drain_s, graceful_shutdown_timeout_s=drain_s + PICKER_STOP_MARGIN_S
-    )
+        return model_server.bind(model, config, rate_limiter, picker)
+    server = model_server.bind(model, config, rate_limiter)
+    picker = deployment(ReplicaPicker).options(**picker_options(haproxy_deregistration_s()))
     return with_ingress_request_router(server, picker.bind(server))

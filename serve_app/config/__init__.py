@@ -10,10 +10,9 @@ deployment: the builders in :mod:`serve_app.deployments` and :mod:`serve_app.app
 from serve_app.config.app import AppConfig, ConfigError, parse_app_config
 from serve_app.config.checks import split_engine_args
 from serve_app.config.ingress import APIKeysConfig, CORSConfig, IngressConfig, PromptLogprobsConfig, RateLimitsConfig
-from serve_app.config.models import DIRECT_REQUESTS_HEADROOM, ModelConfig, SimulatedEngineConfig, sized_for
+from serve_app.config.models import ModelConfig, SimulatedEngineConfig, sized_for
 
 __all__ = [
-    "DIRECT_REQUESTS_HEADROOM",
     "APIKeysConfig",
     "AppConfig",
     "CORSConfig",

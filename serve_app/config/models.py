@@ -19,9 +19,6 @@ from serve_app.config.structured_outputs import with_grammar_backend
 from serve_app.glm4 import sizing
 from serve_app.glm4.format import check_dtype
 
-# Requests a model replica takes past its generation limit (health, model list).
-DIRECT_REQUESTS_HEADROOM = 64
-
 
 class StreamBatchingConfig(StrictModel):
     """How many tokens each streamed chunk carries, by how busy the replica's engine is.
@@ -72,19 +69,6 @@ class PrefixRoutingConfig(StrictModel):
         ge=1,
         description="Blocks the router remembers in each picker replica (least recently used forgotten first).",
     )
-
-    def router_config(self, model: str, chat_template: str | None) -> dict[str, Any]:
-        """The deployment's ``request_router_config``: this app's router and its settings."""
-        return {
-            "request_router_class": "serve_app.routing.prefix_router:PrefixAffinityRouter",
-            "request_router_kwargs": {
-                "model": model,
-                "chat_template": chat_template,
-                "max_load_gap": self.max_load_gap,
-                "block_chars": self.block_chars,
-                "max_blocks": self.max_blocks,
-            },
-        }
 
 
 class SimulatedEngineConfig(StrictModel):
@@ -307,50 +291,16 @@ class ModelConfig(StrictModel):
         """Serve deployment name: one deployment per model, named after it."""
         return "model-" + re.sub(r"[^A-Za-z0-9_-]", "_", self.name)
 
-    def resolved_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
-        """Deployment options with the defaults this application relies on.
-
-        ``max_ongoing_requests`` defaults to ``max_num_seqs``: a replica then
-        runs as many requests as its engine batches at once (the autoscaler's unit).
-        ``graceful_shutdown_timeout_s`` defaults to the longest answer allowed, so
-        a replica being removed finishes every stream it has.
-        """
-        options = dict(self.deployment)
-        if "max_ongoing_requests" not in options:
-            options["max_ongoing_requests"] = self.engine_args["max_num_seqs"]
-        if longest_answer_s is not None and "graceful_shutdown_timeout_s" not in options:
-            options["graceful_shutdown_timeout_s"] = longest_answer_s
-        if self.prefix_routing.enabled:
-            options["request_router_config"] = self.prefix_routing.router_config(
-                self.name, self.engine_args.get("chat_template")
-            )
-        return options
-
     def generation_limit(self) -> int | None:
         """Most generation requests one replica holds: what it runs at once
         and what may wait for it (None: unbounded, as Serve's max_queued_requests of -1)."""
-        options = self.resolved_deployment()
-        queued = options.get("max_queued_requests", -1)
-        return None if queued < 0 else options["max_ongoing_requests"] + queued
+        queued = self.deployment.get("max_queued_requests", -1)
+        return None if queued < 0 else self.runs_at_once() + queued
 
     def runs_at_once(self) -> int:
         """Requests one replica runs at once: its ``max_ongoing_requests`` (by default ``max_num_seqs``)."""
-        return int(self.resolved_deployment()["max_ongoing_requests"])
+        return int(self.deployment.get("max_ongoing_requests") or self.engine_args["max_num_seqs"])
 
     def with_priority_scheduling(self) -> ModelConfig:
         """This model with vLLM's priority scheduling, which :class:`~serve_app.front_door.capacity.FairShare` uses."""
         return self.model_copy(update={"engine_args": self.engine_args | {"scheduling_policy": "priority"}})
-
-    def resolved_direct_deployment(self, longest_answer_s: float | None = None) -> dict[str, Any]:
-        """Deployment options of the model replicas, which answer clients themselves.
-
-        Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
-        generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the
-        :meth:`generation_limit`, which the replica's front door enforces itself
-        (:mod:`serve_app.front_door.capacity`); the engine queues past its batch.
-        """
-        options = self.resolved_deployment(longest_answer_s)
-        limit = self.generation_limit()
-        options["max_ongoing_requests"] = (limit or options["max_ongoing_requests"]) + DIRECT_REQUESTS_HEADROOM
-        options.pop("max_queued_requests", None)
-        return options

@@ -3,7 +3,7 @@
 A request is at its replica as soon as HAProxy forwards it, and Serve's own limit there
 would hold ``/health`` behind generation and answer past its queue with a plain-text
 status. So the replica's Serve limit is raised past what it generates (see
-:meth:`serve_app.config.ModelConfig.resolved_direct_deployment`), and the replica keeps
+:func:`serve_app.deployments.options.model_server_options`), and the replica keeps
 the count Serve would keep: generation requests in this replica, HTTP and gRPC together,
 at most ``limit`` (the configured ``max_ongoing_requests`` plus ``max_queued_requests``);
 past it, 429 ``overloaded`` (gRPC: ``RESOURCE_EXHAUSTED``). Requests over the engine's

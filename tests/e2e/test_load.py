@@ -223,7 +223,7 @@ async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(bed, m
     assert deployment["max_ongoing_requests"] + deployment["max_queued_requests"] == QUEUE
     deadline_s = config["args"]["ingress"]["request_timeout_s"]  # a unary request's only deadline
     # Full: the replica's front door admits what it runs and queues, and the engine queues past
-    # its batch (config.resolved_direct_deployment).
+    # its batch (serve_app.deployments.options.model_server_options).
     full = QUEUE
 
     def timed_out(status: int, seconds: float, response: httpx.Response) -> bool:

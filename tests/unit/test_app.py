@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import app as app_module
+from serve_app.deployments.options import MODEL_SERVER
 from tests.unit.test_config import app_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +90,7 @@ def test_building_the_application_imports_neither_vllm_nor_torch() -> None:
     )
     built = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
-    assert built.stdout.split() == ["[]", app_module.MODEL_SERVER]
+    assert built.stdout.split() == ["[]", MODEL_SERVER]
 
 
 def test_the_model_replicas_health_is_checked_every_2_s_unless_the_config_says_otherwise() -> None:
@@ -108,4 +109,4 @@ def test_each_model_replica_finds_the_deployments_class_by_its_import_path() -> 
 
     from serve_app.deployments.model_server import DirectModelServer
 
-    assert _load_deployment_def_from_import_path(app_module.MODEL_SERVER) is DirectModelServer
+    assert _load_deployment_def_from_import_path(MODEL_SERVER) is DirectModelServer

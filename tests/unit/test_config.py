@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import DIRECT_REQUESTS_HEADROOM, ConfigError, parse_app_config, split_engine_args
+from serve_app.config import ConfigError, parse_app_config, split_engine_args
+from serve_app.deployments.options import DIRECT_REQUESTS_HEADROOM, model_options, model_server_options
 from tools.cluster_env import cluster_env
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -34,7 +35,7 @@ def test_shipped_configs_are_valid(config_file):
     model = config.models[0]
     assert model.name == "glm-4-9b-chat"
     # A replica admits exactly what its engine batches at once.
-    assert model.resolved_deployment()["max_ongoing_requests"] == model.engine_args["max_num_seqs"]
+    assert model_options(model)["max_ongoing_requests"] == model.engine_args["max_num_seqs"]
     assert "autoscaling_config" in model.deployment
 
 
@@ -70,14 +71,14 @@ def test_a_simulated_gpu_without_room_for_the_kv_cache_is_refused():
 
 def test_max_ongoing_requests_defaults_to_max_num_seqs():
     config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 48}))
-    assert config.models[0].resolved_deployment()["max_ongoing_requests"] == 48
+    assert model_options(config.models[0])["max_ongoing_requests"] == 48
 
 
 def test_concurrency_limit_must_be_explicit():
     with pytest.raises(ConfigError, match=r"args\.models\.0: .*max_num_seqs"):
         parse_app_config(minimal(engine_args={"model": "m"}))
     explicit = parse_app_config(minimal(engine_args={"model": "m"}, deployment={"max_ongoing_requests": 4}))
-    assert explicit.models[0].resolved_deployment()["max_ongoing_requests"] == 4
+    assert model_options(explicit.models[0])["max_ongoing_requests"] == 4
 
 
 def test_unknown_engine_argument_is_named():
@@ -249,7 +250,7 @@ def test_every_shipped_config_serves_the_grpc_api_and_its_health_service(config_
 def test_time_limits_have_defaults_and_drain_defaults_to_the_longest_answer():
     config = parse_app_config(minimal(engine_args={"model": "m", "max_num_seqs": 8}))
     assert (config.ingress.request_timeout_s, config.ingress.first_token_timeout_s) == (600, 120)
-    options = config.models[0].resolved_deployment(config.ingress.request_timeout_s)
+    options = model_options(config.models[0], config.ingress.request_timeout_s)
     assert options["graceful_shutdown_timeout_s"] == 600
 
 
@@ -364,7 +365,7 @@ def test_every_shipped_config_caches_prefixes_and_routes_by_them(config_file):
     (model,) = parse_app_config(app_args(config_file)).models
     assert model.engine_args["enable_prefix_caching"] is True
     assert model.engine_args["enable_prompt_tokens_details"] is True  # cached_tokens in each answer's usage
-    router = model.resolved_deployment()["request_router_config"]
+    router = model_options(model)["request_router_config"]
     assert router["request_router_class"] == "serve_app.routing.prefix_router:PrefixAffinityRouter"
     assert router["request_router_kwargs"] | {"max_load_gap": None} == {
         "model": "glm-4-9b-chat",
@@ -377,7 +378,7 @@ def test_every_shipped_config_caches_prefixes_and_routes_by_them(config_file):
 
 def test_prefix_routing_off_leaves_serves_default_router_and_a_router_of_ones_own_needs_it_off():
     off = parse_app_config(minimal(prefix_routing={"enabled": False})).models[0]
-    assert "request_router_config" not in off.resolved_deployment()
+    assert "request_router_config" not in model_options(off)
     own = {
         "request_router_config": {
             "request_router_class": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
@@ -386,7 +387,7 @@ def test_prefix_routing_off_leaves_serves_default_router_and_a_router_of_ones_ow
     with pytest.raises(ConfigError, match="prefix_routing.enabled: false"):
         parse_app_config(minimal(deployment=own))
     kept = parse_app_config(minimal(deployment=own, prefix_routing={"enabled": False})).models[0]
-    assert kept.resolved_deployment()["request_router_config"] == own["request_router_config"]
+    assert model_options(kept)["request_router_config"] == own["request_router_config"]
 
 
 def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
@@ -394,7 +395,7 @@ def test_the_router_class_a_config_names_is_importable_and_serves_base_class():
 
     from serve_app.routing.prefix_router import PrefixAffinityRouter
 
-    path = parse_app_config(minimal()).models[0].resolved_deployment()["request_router_config"]["request_router_class"]
+    path = model_options(parse_app_config(minimal()).models[0])["request_router_config"]["request_router_class"]
     module, _, name = path.partition(":")
     assert f"{PrefixAffinityRouter.__module__}:{PrefixAffinityRouter.__name__}" == path
     assert module == "serve_app.routing.prefix_router" and issubclass(PrefixAffinityRouter, RequestRouter), name
@@ -409,12 +410,12 @@ def test_an_application_serves_exactly_one_model():
 def test_the_replica_takes_past_its_generation_limit_and_enforces_the_limit_itself():
     model = parse_app_config(minimal(deployment={"max_ongoing_requests": 4, "max_queued_requests": 6})).models[0]
     assert model.generation_limit() == 10
-    options = model.resolved_direct_deployment()
+    options = model_server_options(model)
     assert options["max_ongoing_requests"] == 10 + DIRECT_REQUESTS_HEADROOM
     assert "max_queued_requests" not in options
     unbounded = parse_app_config(minimal()).models[0]  # Serve's default queue: unbounded
     assert unbounded.generation_limit() is None
-    assert unbounded.resolved_direct_deployment()["max_ongoing_requests"] == 8 + DIRECT_REQUESTS_HEADROOM
+    assert model_server_options(unbounded)["max_ongoing_requests"] == 8 + DIRECT_REQUESTS_HEADROOM
 
 
 def test_a_request_may_not_ask_for_more_sequences_than_a_replica_batches():

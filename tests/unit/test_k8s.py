@@ -19,6 +19,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.config import parse_app_config
+from serve_app.deployments.options import model_options
 from tests.unit.k8s_manifests import (
     CRD_FILES,
     DOCUMENT_SETS,
@@ -218,7 +219,7 @@ def drain_seconds(rayservice: dict) -> dict[str, float]:
     config = parse_app_config(app_args(rayservice))
     (model,) = config.models
     return {
-        "gpu": model.resolved_deployment()["graceful_shutdown_timeout_s"],
+        "gpu": model_options(model)["graceful_shutdown_timeout_s"],
         "cpu": DeploymentConfig().graceful_shutdown_timeout_s,
     }
 

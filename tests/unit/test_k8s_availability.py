@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from serve_app.config import parse_app_config
+from serve_app.deployments.options import model_options
 from tests.unit.k8s_manifests import DOCUMENT_SETS, app_args, documents, rayservices, worker_groups
 
 PRODUCTION_SETS = ["base", "production", "production-incremental"]
@@ -41,7 +42,7 @@ def test_a_model_rollout_always_finds_its_gpus(name):
     so a surge replica that can never get a GPU would hold the rollout forever."""
     (rayservice,) = rayservices(name)
     (model,) = parse_app_config(app_args(rayservice)).models
-    options = model.resolved_deployment()
+    options = model_options(model)
     high = options["autoscaling_config"]["max_replicas"]
     gpu = worker_groups(rayservice)["gpu"]
     assert gpu["maxReplicas"] >= high + surge(options.get("max_surge_percent", 0), high)
@@ -80,7 +81,7 @@ def test_a_gpu_worker_offers_ray_only_its_model_replicas_cpus(name):
     (rayservice,) = rayservices(name)
     config = parse_app_config(app_args(rayservice))
     (model,) = config.models
-    model_cpus = model.resolved_deployment()["ray_actor_options"]["num_cpus"]
+    model_cpus = model_options(model)["ray_actor_options"]["num_cpus"]
     groups = worker_groups(rayservice)
     assert logical_cpus(groups["gpu"]) == model_cpus
     (container,) = groups["cpu"]["template"]["spec"]["containers"]

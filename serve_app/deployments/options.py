@@ -1,0 +1,77 @@
+"""The Serve options of each deployment, decided from the config. Run in the application's build.
+
+The config describes (:mod:`serve_app.config`); this module decides what Serve is given, so a
+reader finds each option where it is set. It imports neither vLLM nor the deployments' classes:
+the build names the model deployment and its request router by import path (decision record 19).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import ModelConfig
+
+# The classes Serve imports in the processes that run them.
+MODEL_SERVER = "serve_app.deployments.model_server.DirectModelServer"
+PREFIX_ROUTER = "serve_app.routing.prefix_router:PrefixAffinityRouter"
+# The model replica's health check only reads the engine's state, so it runs often. A replica
+# whose engine died exits by itself (serve_app.engine.engine_watch); the check is the backstop.
+MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check_timeout_s": 30}
+# Requests a model replica takes past its generation limit (health, model list).
+DIRECT_REQUESTS_HEADROOM = 64
+# Past its drain, how long Serve lets a stopping ReplicaPicker close before killing it.
+PICKER_STOP_MARGIN_S = 5.0
+
+
+def prefix_router_config(model: ModelConfig) -> dict[str, Any]:
+    """The model deployment's ``request_router_config``: this app's prefix router and its settings."""
+    routing = model.prefix_routing
+    return {
+        "request_router_class": PREFIX_ROUTER,
+        "request_router_kwargs": {
+            "model": model.name,
+            "chat_template": model.engine_args.get("chat_template"),
+            "max_load_gap": routing.max_load_gap,
+            "block_chars": routing.block_chars,
+            "max_blocks": routing.max_blocks,
+        },
+    }
+
+
+def model_options(model: ModelConfig, longest_answer_s: float | None = None) -> dict[str, Any]:
+    """The model's deployment options with the defaults this application relies on.
+
+    ``max_ongoing_requests`` defaults to ``max_num_seqs``: a replica then
+    runs as many requests as its engine batches at once (the autoscaler's unit).
+    ``graceful_shutdown_timeout_s`` defaults to the longest answer allowed, so
+    a replica being removed finishes every stream it has.
+    """
+    options = dict(model.deployment)
+    options["max_ongoing_requests"] = model.runs_at_once()
+    if longest_answer_s is not None and "graceful_shutdown_timeout_s" not in options:
+        options["graceful_shutdown_timeout_s"] = longest_answer_s
+    if model.prefix_routing.enabled:
+        options["request_router_config"] = prefix_router_config(model)
+    return options
+
+
+def model_server_options(model: ModelConfig, longest_answer_s: float | None = None) -> dict[str, Any]:
+    """Deployment options of the model replicas, which answer clients themselves.
+
+    Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
+    generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the model's
+    ``generation_limit``, which the replica's front door enforces itself
+    (:mod:`serve_app.front_door.capacity`); the engine queues past its batch.
+    """
+    options = model_options(model, longest_answer_s)
+    limit = model.generation_limit()
+    options["max_ongoing_requests"] = (limit or options["max_ongoing_requests"]) + DIRECT_REQUESTS_HEADROOM
+    options.pop("max_queued_requests", None)
+    return {"name": model.deployment_name, **MODEL_HEALTH_CHECKS, **options}
+
+
+def picker_options(drain_s: float) -> dict[str, Any]:
+    """A ReplicaPicker Serve stops keeps answering as long as a model replica would (Serve drains
+    only the ingress's replicas): an HAProxy process of the configuration before still sends
+    the requests of its open keep-alive connections to it (docs/operations.md)."""
+    return {"graceful_shutdown_wait_loop_s": drain_s, "graceful_shutdown_timeout_s": drain_s + PICKER_STOP_MARGIN_S}
