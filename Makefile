@@ -91,7 +91,7 @@ endif
 
 unit: install tiny-model $(SCAN_STAMP) prometheus
 	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
-	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit; status=$$?; \
+	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus

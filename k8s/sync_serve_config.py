@@ -13,7 +13,7 @@ From it this writes:
 - k8s/overlays/<variant>/serve-config.yaml, for a variant with an overlay: a patch giving
   that overlay deploy/config.<variant>.yaml as its serveConfigV2.
 
-Run `make k8s-sync` after editing deploy/config.yaml or a patch; tests/unit/test_k8s.py
+Run `make k8s-sync` after editing deploy/config.yaml or a patch; tests/repo/test_k8s.py
 fails while anything written here is out of date.
 
     python k8s/sync_serve_config.py          # rewrite in place

@@ -249,7 +249,7 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int, not_in_text: str) -> A
     ends the request with an error (a 500). Here each special token's text is prefixed
     with ``not_in_text`` (a character requests may not carry) before llguidance reads the
     tokenizer, so forced text is written as text; the control tokens keep their ids, and
-    a Lark grammar names them by id (``<[151336]>``). ``tests/unit/test_structured_outputs.py``
+    a Lark grammar names them by id (``<[151336]>``). ``tests/unit/config/test_structured_outputs.py``
     fails once llguidance no longer needs it.
     """
     import copy

@@ -31,16 +31,6 @@ class Hostile:
 MARKED = {"type": "object", "properties": {"v": {"const": "\ufdd0<|user|>"}}}  # the control mark, then a token's text
 
 
-def assert_openai_error(response: Any, status: int, param: str | None) -> None:
-    """``response`` (an httpx response) is the OpenAI-shaped error a hostile request must get."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert param is None or error["param"] == param, error
-    assert "Traceback" not in response.text
-
-
 def chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
 

@@ -1,7 +1,7 @@
 """Write the gRPC API's Python code from its .proto: ``make proto`` (``python -m tools.build_proto``).
 
 The generated modules are checked in, so neither the app nor its image needs
-grpcio-tools; ``tests/unit/test_grpc_proto.py`` builds them again into a
+grpcio-tools; ``tests/repo/test_grpc_proto.py`` builds them again into a
 temporary directory and fails if they differ from the checked-in ones. The
 .proto sits at ``proto/glm4serve/v1/`` (its package's path, as protobuf tools
 expect); it is compiled as if it were at ``serve_app/front_door/grpc_api/``, so the code

@@ -13,7 +13,7 @@ This app runs llguidance (vLLM's ``guidance`` backend) and refuses the others:
   ``minLength`` or ``maxLength``, which RFC 8259 forbids (mlc-ai/xgrammar#286 was fixed
   for plain strings only), and admits bytes that are not UTF-8, so such a string can
   decode longer than its ``maxLength``: 16 of 30 answers for a pydantic model with one
-  ``Field(max_length=12)`` failed to parse. ``tests/unit/test_structured_outputs.py``
+  ``Field(max_length=12)`` failed to parse. ``tests/unit/config/test_structured_outputs.py``
   fails once an installed xgrammar keeps such strings valid; then the choice can be
   revisited.
 * llguidance refuses every JSON Schema keyword it cannot enforce (``uniqueItems``,

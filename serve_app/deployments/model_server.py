@@ -63,8 +63,7 @@ class DirectModelServer(ModelServer, GenerationMethods):
                 model.name: ModelEntry(
                     model.name,
                     LocalModel(
-                        self.chat,
-                        self.completion,
+                        {"chat": self.chat, "completion": self.completion},
                         engine_failed=lambda: self.watch.failed,
                         others=serve.get_deployment_handle(model.deployment_name, context.app_name).options(
                             stream=True

@@ -1,7 +1,7 @@
 """Calling the engine from the front door: one request, its retries, its deadlines, its stream.
 
-:func:`call_replica` sends a validated request through a streaming
-``DeploymentHandle`` and waits for the answer to begin; :func:`relay` turns it
+:func:`call_replica` sends a validated request to the model (:class:`Model`: this replica's
+engine, :mod:`serve_app.front_door.local_engine`) and waits for the answer to begin; :func:`relay` turns it
 into an HTTP response: a :class:`Reply` becomes a JSON response, a stream is
 written through as SSE (:func:`stream_sse`), bytes as they are, with a final
 error event if it fails after it started. (The gRPC service reads the same
@@ -15,17 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ray.exceptions import TaskCancelledError
-from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
 from serve_app.front_door.deadlines import Deadline, DeadlineExceeded, next_before
 from serve_app.front_door.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
-from serve_app.protocol import GenerationRequest, Outcome, Reply, trailing_error
+from serve_app.protocol import Answer, GenerationRequest, Outcome, Reply, trailing_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,6 +32,25 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
+
+
+class AnswerStream(Protocol):
+    """One generation's answer as it comes: iterate it; cancel it to stop the generation."""
+
+    def __aiter__(self) -> AnswerStream: ...
+
+    async def __anext__(self) -> Answer: ...
+
+    def cancel(self) -> None: ...
+
+
+class Model(Protocol):
+    """What answers the front door's generation requests (in production, this replica's engine:
+    :class:`~serve_app.front_door.local_engine.LocalModel`)."""
+
+    def generate(
+        self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None
+    ) -> AnswerStream: ...
 
 
 RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
@@ -127,7 +145,7 @@ async def stream_sse(
 
 
 async def relay(
-    handle: DeploymentHandle,
+    model: Model,
     method: str,
     payload: GenerationRequest,
     deadline: Deadline,
@@ -135,8 +153,8 @@ async def relay(
     retry_s: float = 0.0,
     on_tokens: TokenCounter | None = None,
 ) -> Response:
-    """Send ``payload`` to a replica (:func:`call_replica`) and answer over HTTP with its reply or stream."""
-    first, responses = await call_replica(handle, method, payload, deadline, record, retry_s)
+    """Send ``payload`` to the model (:func:`call_replica`) and answer over HTTP with its reply or stream."""
+    first, responses = await call_replica(model, method, payload, deadline, record, retry_s)
     if isinstance(first, Reply):
         settle_reply(first, record, on_tokens)
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
@@ -158,14 +176,14 @@ def settle_reply(reply: Reply, record: RequestRecord, on_tokens: TokenCounter | 
 
 
 async def call_replica(
-    handle: DeploymentHandle,
+    model: Model,
     method: str,
     payload: GenerationRequest,
     deadline: Deadline,
     record: RequestRecord,
     retry_s: float = 0.0,
-) -> tuple[Reply | str, Any]:
-    """Send ``payload`` to a replica (through a streaming handle); its first item and the rest of its answer.
+) -> tuple[Reply | str, AnswerStream]:
+    """Send ``payload`` to the model's ``method``; its first item and the rest of its answer.
 
     A stream's first chunk must come before the first-token deadline; a unary
     answer, which is its whole first item, before the end deadline.
@@ -193,7 +211,7 @@ async def call_replica(
     record.enter(Phase.QUEUED)
     while True:
         record.attempts += 1
-        responses = getattr(handle, method).remote(payload, trace_context(record.span))
+        responses = model.generate(method, payload, trace_context(record.span))
         try:
             first = await next_before(responses, first_by)
         except StopAsyncIteration:
@@ -212,6 +230,9 @@ async def call_replica(
             if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
                 continue
             raise error from None
+        if isinstance(first, Outcome):  # an answer begins with a reply or a chunk, never its outcome
+            responses.cancel()
+            raise APIError(500, "the model replica returned no answer", code="internal_error")
         if isinstance(first, Reply) and first.code == UNAVAILABLE and await _before_retry(give_up_at()):
             continue
         break

@@ -84,7 +84,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     hold = getattr(request.state, SLOT_HOLD_SCOPE_KEY, None)  # (GenerationCapacity's)
     admitted = await admit(raw, endpoint, state.models, settings, record, hold)
     return await relay(
-        admitted.entry.handle,
+        admitted.entry.model,
         endpoint.method,
         admitted.payload,
         deadline,

@@ -1,10 +1,11 @@
-"""This model replica's engine, as the front door calls a model: in-process, or another replica once it failed.
+"""This model replica's engine, as the front door calls it: in-process, or another replica once it failed.
 
-The front door (:mod:`serve_app.front_door.engine_call`) calls a model as it would a Serve
-streaming handle (``model.chat.remote(request)``, iterate the answer, cancel it). In the
-model replica the model is the engine beside it: :class:`LocalModel` answers here, and sends a
-request on to the deployment's other replicas once this replica's engine has failed; under a
-bare ``serve run`` with prefix routing, to the replica the ReplicaPicker names.
+The front door (:mod:`serve_app.front_door.engine_call`) calls ``model.generate(method,
+request, trace_context)`` and reads the answer as it comes (iterate it, cancel it: an
+:class:`~serve_app.front_door.engine_call.AnswerStream`). :class:`LocalModel` answers with the
+engine beside it, a plain call in this process; once this replica's engine has failed it sends
+a request on to the deployment's other replicas through a Serve handle, and under a bare
+``serve run`` with prefix routing, to the replica the ReplicaPicker names.
 Runs in each model replica.
 """
 
@@ -14,11 +15,10 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol, cast
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.front_door.rate_limits import RemoteMethod
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.serve_internals import picked_replica
 
@@ -26,8 +26,8 @@ GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGen
 
 
 class LocalAnswer:
-    """A generation running in this process, shaped as a streaming handle's response (what
-    :func:`serve_app.front_door.engine_call.call_replica` reads): iterate it, cancel it.
+    """A generation running in this process, read as the front door reads every answer
+    (:func:`serve_app.front_door.engine_call.call_replica`): iterate it, cancel it.
 
     The generator runs in the caller's task, so a deadline's cancellation lands inside
     it, and vLLM's unary path swallows it (it returns its 400 "Client disconnected"
@@ -54,16 +54,6 @@ class LocalAnswer:
         """Stop the generation (vLLM aborts the request as its generator closes); a no-op once it ended."""
         if self._closing is None:
             self._closing = asyncio.get_running_loop().create_task(self._generator.aclose())
-
-
-class OtherReplicas(Protocol):
-    """A streaming handle to this replica's deployment: its other replicas, by Serve's router."""
-
-    @property
-    def chat(self) -> RemoteMethod: ...
-
-    @property
-    def completion(self) -> RemoteMethod: ...
 
 
 @dataclass(frozen=True)
@@ -119,64 +109,37 @@ class RoutedAnswer:
             self._answer.cancel()
 
 
-class LocalMethod:
-    """``handle.<method>`` of a streaming handle, for a method of this replica.
-
-    Once this replica's engine has failed, a request it has not started goes to the
-    deployment's other replicas through ``elsewhere`` (a streaming deployment handle):
-    HAProxy has already handed the connection to this replica, and only this replica can
-    still answer it. With ``route`` (a bare ``serve run``), each request goes to the replica
-    the ReplicaPicker names: here, or there through ``elsewhere`` (:class:`RoutedAnswer`).
-    """
-
-    def __init__(
-        self,
-        method: GenerationMethod,
-        engine_failed: Callable[[], bool] = lambda: False,
-        elsewhere: RemoteMethod | None = None,
-        route: PrefixRoute | None = None,
-        name: str = "chat",
-    ) -> None:
-        self._method = method
-        self._engine_failed = engine_failed
-        self._elsewhere = elsewhere
-        self._route = route
-        self._name = name
-
-    def remote(self, payload: GenerationRequest, trace_context: dict[str, str] | None = None) -> Any:
-        if self._elsewhere is not None and self._engine_failed():
-            return self._elsewhere.remote(payload, trace_context)
-        if self._route is not None and self._elsewhere is not None:
-            here = partial(self._answer_here, payload, trace_context)
-            replicas = cast(DeploymentHandle, self._elsewhere)
-            return RoutedAnswer(self._route, self._name, replicas, payload, trace_context, here)
-        return self._answer_here(payload, trace_context)
-
-    def _answer_here(self, payload: GenerationRequest, trace_context: dict[str, str] | None) -> LocalAnswer:
-        return LocalAnswer(self._method(payload, trace_context))
-
-
 class LocalModel:
-    """This replica as the ingress's routes call a model: ``chat`` and ``completion``, answered
-    here, or by another replica of the deployment (``others``, a streaming handle) once this
-    replica's engine has failed. With ``route`` (a bare ``serve run``), each request goes to the
-    replica the ReplicaPicker names, here or through ``others``."""
+    """This replica's engine as the front door calls it: each method (``chat``, ``completion``)
+    answered here, or by another replica of the deployment (``others``, a streaming handle to
+    it) once this replica's engine has failed: HAProxy has already handed the connection to this
+    replica, and only this replica can still answer it. With ``route`` (a bare ``serve run``),
+    each request goes to the replica the ReplicaPicker names: here, or there through ``others``
+    (:class:`RoutedAnswer`)."""
 
     def __init__(
         self,
-        chat: GenerationMethod,
-        completion: GenerationMethod,
+        methods: dict[str, GenerationMethod],
         engine_failed: Callable[[], bool] = lambda: False,
-        others: OtherReplicas | None = None,
+        others: DeploymentHandle | None = None,
         route: PrefixRoute | None = None,
     ) -> None:
-        def method(name: str, here: GenerationMethod) -> LocalMethod:
-            if others is None:
-                return LocalMethod(here, engine_failed)
-            return LocalMethod(here, engine_failed, getattr(others, name), route, name)
+        self._methods = methods
+        self._engine_failed = engine_failed
+        self._others = others
+        self._route = route
 
-        self.chat = method("chat", chat)
-        self.completion = method("completion", completion)
+    def generate(self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None) -> Any:
+        """The answer to ``payload`` by the engine's ``method``: a :class:`LocalAnswer`, or a Serve
+        handle's response from the replica that answers in its place."""
+        if self._others is not None and self._engine_failed():
+            return getattr(self._others, method).remote(payload, trace_context)
+        here = partial(self._answer_here, method, payload, trace_context)
+        if self._route is not None and self._others is not None:
+            return RoutedAnswer(self._route, method, self._others, payload, trace_context, here)
+        return here()
 
-    def options(self, **_: Any) -> LocalModel:
-        return self
+    def _answer_here(
+        self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None
+    ) -> LocalAnswer:
+        return LocalAnswer(self._methods[method](payload, trace_context))

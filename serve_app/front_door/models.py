@@ -1,8 +1,8 @@
-"""ModelCatalog: which model deployment answers a request, and the model list.
+"""ModelCatalog: the model a request names, what answers it, and the model list.
 
-Pure logic over the handles the application builder passed in, so it is tested
-without Ray. Per-request policies (API keys, rate limits, timeouts) have their
-seam in :mod:`serve_app.front_door.http_app`, not here.
+Pure logic over the models the deployment passed in (in production, one: this replica's
+engine), so it is tested without Ray. Per-request policies (API keys, rate limits, timeouts)
+have their seam in :mod:`serve_app.front_door.admission`, not here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ H = TypeVar("H")
 @dataclass(frozen=True)
 class ModelEntry(Generic[H]):
     name: str
-    handle: H
+    model: H  # what answers its requests (serve_app.front_door.engine_call.Model)
     max_model_len: int | None = None
     max_output_tokens: int | None = None  # the model's ceiling on one answer's tokens (None: the context)
     simulated: bool = False  # served by the simulated engine: its answers are not the model's
@@ -27,7 +27,7 @@ class ModelEntry(Generic[H]):
 
 @dataclass
 class ModelCatalog(Generic[H]):
-    """Maps the ``model`` field of a request to the deployment that serves it."""
+    """Maps the ``model`` field of a request to what serves it."""
 
     entries: dict[str, ModelEntry[H]]
     created: int = field(default_factory=lambda: int(time.time()))

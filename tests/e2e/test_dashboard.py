@@ -29,7 +29,7 @@ from tests.e2e.prometheus import Prometheus
 from tests.e2e.ray_cluster import METRICS_REPORT_S
 from tests.e2e.simulation import Bed, ready_bed
 from tests.e2e.streams import open_streams
-from tests.unit.k8s_manifests import DASHBOARD, MONITORING
+from tests.repo.k8s_manifests import DASHBOARD, MONITORING
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("direct")

@@ -7,7 +7,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, assert_openai_error, chat, padded
+from tests.hostile_requests import CHAT_PATH, HOSTILE, Hostile, chat, padded
+from tests.openai_errors import assert_openai_error
 from tests.request_strategies import request_bodies
 
 FUZZ_MAX_TOKENS = 8  # answers the server accepts stay short: the fuzzing is about input

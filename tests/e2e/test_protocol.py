@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from tests.e2e.sse import post_stream
+from tests.openai_errors import assert_openai_error
 
 
 @pytest.fixture
@@ -22,15 +23,6 @@ def chat(model: str, **extra) -> dict:
         "max_tokens": 8,
         "min_tokens": 8,
     } | extra
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
 
 
 async def test_chat_stream_framing_and_usage_in_last_chunk(app, client):

@@ -2,7 +2,7 @@
 application with two model replicas, routed by prefix as shipped): 256 concurrent streams all
 complete with exactly their lengths, and both replicas served some of them (one prompt for all:
 past its holder's load by ``prefix_routing.max_load_gap``, it goes to the other). (vLLM's
-AsyncLLM on the simulated engine core, in one process: tests/unit/test_simulated_async_llm.py.)
+AsyncLLM on the simulated engine core, in one process: tests/unit/simulated_engine/test_async_llm.py.)
 
 The variant is one the suite runs anyway: the test adds no replica (it started 3 more, and
 stopped them after, when it ran on the bed at 4 replicas).

@@ -10,7 +10,7 @@ import pytest
 
 from serve_app import app as app_module
 from serve_app.deployments.options import MODEL_SERVER
-from tests.unit.test_config import app_args
+from tests.serve_configs import app_args
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -150,7 +150,7 @@ class GenerationService:
                 raw = request.SerializeToString()
                 admitted = await admit(raw, endpoint, self.models, settings, record, hold, to_json)
                 first, rest = await call_replica(
-                    admitted.entry.handle,
+                    admitted.entry.model,
                     endpoint.method,
                     admitted.payload,
                     deadline,

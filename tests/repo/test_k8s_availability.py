@@ -1,0 +1,151 @@
+"""No single point of failure in the manifests: replicas, where they live, rollouts, the head's state.
+
+Nothing here needs a cluster: the rendered overlays are read with the rules of the parts that
+act on them (Serve's rollout surge, Ray's scheduling by logical CPUs, KubeRay's validation of
+upgrade options). What a pod's drain does is proven on real Ray in tests/e2e/test_node_drain.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from serve_app.config import parse_app_config
+from serve_app.deployments.options import model_options
+from tests.repo.k8s_manifests import DOCUMENT_SETS, app_args, documents, rayservices, worker_groups
+
+PRODUCTION_SETS = ["base", "production", "production-incremental"]
+
+
+def surge(max_surge_percent: int, replicas: int) -> int:
+    """Extra replicas Serve starts during a rollout (ray/serve/_private/deployment_state.py: an integer ceiling)."""
+    return (max_surge_percent * replicas + 99) // 100
+
+
+def logical_cpus(group: dict) -> float:
+    return float(group["rayStartParams"]["num-cpus"])
+
+
+def test_the_surge_rule_is_serves():
+    """Serve's own arithmetic, read from the pinned source, is the one used here."""
+    import inspect
+
+    from ray.serve._private.deployment_state import DeploymentState
+
+    assert "surge = (surge_percent * target + 99) // 100" in inspect.getsource(DeploymentState._surge_replicas_to_start)
+    assert [surge(25, n) for n in (1, 4, 5, 8)] == [1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_a_model_rollout_always_finds_its_gpus(name):
+    """The GPU group holds max_replicas plus the surge: replacements start before old replicas stop,
+    so a surge replica that can never get a GPU would hold the rollout forever."""
+    (rayservice,) = rayservices(name)
+    (model,) = parse_app_config(app_args(rayservice)).models
+    options = model_options(model)
+    high = options["autoscaling_config"]["max_replicas"]
+    gpu = worker_groups(rayservice)["gpu"]
+    assert gpu["maxReplicas"] >= high + surge(options.get("max_surge_percent", 0), high)
+    assert gpu["minReplicas"] >= options["autoscaling_config"]["min_replicas"]  # warm GPUs for the minimum
+
+
+@pytest.mark.parametrize("name", PRODUCTION_SETS)
+def test_production_keeps_two_model_replicas_on_two_gpu_pods(name):
+    """One engine's death or one pod's drain leaves a replica serving; the budget evicts one GPU pod at a time."""
+    (rayservice,) = rayservices(name)
+    (model,) = app_args(rayservice)["models"]
+    assert model["deployment"]["autoscaling_config"]["min_replicas"] >= 2
+    assert worker_groups(rayservice)["gpu"]["minReplicas"] >= 2
+    (budget,) = [
+        d
+        for d in documents(name)
+        if d["kind"] == "PodDisruptionBudget" and d["spec"]["selector"]["matchLabels"].get("ray.io/group") == "gpu"
+    ]
+    assert budget["spec"]["maxUnavailable"] == 1
+
+
+def test_single_gpu_says_what_it_gives_up():
+    """One GPU: one replica, no surge, and no automatic cluster upgrade (a new cluster would wait for a GPU)."""
+    (rayservice,) = rayservices("single-gpu")
+    (model,) = app_args(rayservice)["models"]
+    assert model["deployment"]["autoscaling_config"]["max_replicas"] == 1
+    assert model["deployment"]["max_surge_percent"] == 0
+    assert rayservice["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert worker_groups(rayservice)["gpu"]["maxReplicas"] == 1
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_a_gpu_worker_offers_ray_only_its_model_replicas_cpus(name):
+    """No other replica (the picker, the rate limiter) fits beside a model replica, so none keeps a
+    GPU pod alive; those run on the CPU group."""
+    (rayservice,) = rayservices(name)
+    config = parse_app_config(app_args(rayservice))
+    (model,) = config.models
+    model_cpus = model_options(model)["ray_actor_options"]["num_cpus"]
+    groups = worker_groups(rayservice)
+    assert logical_cpus(groups["gpu"]) == model_cpus
+    (container,) = groups["cpu"]["template"]["spec"]["containers"]
+    assert float(container["resources"]["limits"]["cpu"]) >= logical_cpus(groups["cpu"])
+    # Proxies run where replicas run (and never hold a node: they ask for no CPU).
+    assert yaml.safe_load(rayservice["spec"]["serveConfigV2"])["proxy_location"] == "EveryNode"
+
+
+@pytest.mark.parametrize("name", PRODUCTION_SETS)
+def test_production_cpu_workers_are_two_pods_at_least(name):
+    (rayservice,) = rayservices(name)
+    assert worker_groups(rayservice)["cpu"]["minReplicas"] >= 2
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [
+        ("base", "NewCluster"),
+        ("production", "NewCluster"),
+        ("production-incremental", "NewClusterWithIncrementalUpgrade"),
+        ("single-gpu", "None"),
+    ],
+)
+def test_each_set_has_its_upgrade_strategy(name, strategy):
+    (rayservice,) = rayservices(name)
+    assert rayservice["spec"]["upgradeStrategy"]["type"] == strategy
+
+
+def test_the_incremental_upgrade_passes_kuberays_validation():
+    """KubeRay 1.7's ValidateClusterUpgradeOptions: autoscaling on, a step no larger than the
+    surge, a positive interval, a GatewayClass named."""
+    (rayservice,) = rayservices("production-incremental")
+    assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    options = rayservice["spec"]["upgradeStrategy"]["clusterUpgradeOptions"]
+    assert 0 < options["stepSizePercent"] <= options.get("maxSurgePercent", 100) <= 100
+    assert options["intervalSeconds"] > 0 and options["gatewayClassName"]
+
+
+@pytest.mark.parametrize("name", ["production", "production-incremental"])
+def test_the_head_keeps_its_state_in_redis(name):
+    """GCS fault tolerance: the address is this set's Redis Service, the password the Secret Redis reads."""
+    docs = documents(name)
+    (rayservice,) = rayservices(name)
+    options = rayservice["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    host, port = options["redisAddress"].split(":")
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == host]
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+    (redis,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    pod = redis["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    secret = options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    (container,) = pod["spec"]["containers"]
+    (auth,) = [v for v in pod["spec"]["volumes"] if v.get("secret", {}).get("secretName") == secret["name"]]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == auth["name"]]
+    command = " ".join(container["command"])
+    assert f'--requirepass "$(cat {mount["mountPath"]}/{secret["key"]})"' in command
+    # Its data survive a restart of the Redis pod: append-only file on a volume of its own.
+    assert "--appendonly yes" in command and "--dir /data" in command
+    (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
+    assert data["name"] in {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+
+
+@pytest.mark.parametrize("name", ["base", "single-gpu"])
+def test_sets_without_redis_do_not_ask_for_it(name):
+    (rayservice,) = rayservices(name)
+    assert "gcsFaultToleranceOptions" not in rayservice["spec"]["rayClusterConfig"]
+    assert not [d for d in documents(name) if d["kind"] == "StatefulSet"]
