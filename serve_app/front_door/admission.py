@@ -1,10 +1,10 @@
-"""What every generation request passes between its bytes and a model replica, whichever protocol brought it.
+"""What every generation request passes between its body and the engine, whichever door brought it.
 
 The HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`) receive requests differently and answer
-differently. Both hand :func:`admit` the request's bytes (a gRPC message is
-given as its serialized bytes and a function that turns them into the HTTP
-API's JSON), and it does the rest the same way for both: the size limit (413),
+differently. Both hand :func:`admit` the request's body
+(:mod:`serve_app.front_door.request_body`: HTTP's bytes, or the gRPC message itself), and it
+does the rest the same way for both: the size limit (413),
 parsing and the structure checks (400; bodies over 256 KiB in the checker
 process, :mod:`serve_app.front_door.large_bodies`), routing by ``model`` (404),
 validation with vLLM's request model (:mod:`serve_app.front_door.validation`, 400),
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +29,11 @@ from serve_app.front_door.capacity import SlotHold
 from serve_app.front_door.endpoints import Endpoint
 from serve_app.front_door.engine_call import TokenCounter
 from serve_app.front_door.grammar_build import pickled
-from serve_app.front_door.large_bodies import LARGE_BODY_BYTES, ToJSON
+from serve_app.front_door.large_bodies import LARGE_BODY_BYTES
 from serve_app.front_door.models import ModelCatalog, ModelEntry
 from serve_app.front_door.rate_limits import KeyLimits
 from serve_app.front_door.record import RequestRecord
+from serve_app.front_door.request_body import RequestBody
 from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.front_door.settings import IngressSettings
 from serve_app.front_door.validation import decode_body, parse_request
@@ -96,34 +96,31 @@ class Admitted:
 
 
 async def admit(
-    raw: bytes,
+    body: RequestBody,
     endpoint: Endpoint,
     models: ModelCatalog[Any],
     settings: IngressSettings,
     record: RequestRecord,
     hold: SlotHold | None = None,
-    to_json: ToJSON | None = None,
 ) -> Admitted:
-    """Every rule between a request's bytes and a replica (the module's docstring), raising the
-    :class:`APIError` the client gets; ``to_json`` turns ``raw`` into JSON when it is not JSON."""
-    if len(raw) > settings.max_request_body_bytes:
-        raise APIError(413, f"the request is {len(raw)} bytes; the limit is {settings.max_request_body_bytes} bytes")
-    decode: Callable[[bytes], dict[str, Any]] = (
-        decode_body if to_json is None else lambda data: decode_body(to_json(data))
-    )
+    """Every rule between a request's body and the engine (the module's docstring), raising the
+    :class:`APIError` the client gets."""
+    if body.size > settings.max_request_body_bytes:
+        raise APIError(413, f"the request is {body.size} bytes; the limit is {settings.max_request_body_bytes} bytes")
     payload: GenerationRequest
-    if len(raw) > LARGE_BODY_BYTES:  # checked in another process: it would stall every stream here
-        checked = await settings.body_checker.check(endpoint.request_model, raw, to_json)
-        body, payload, size = checked.fields, checked.request, checked.size
-        entry = models.entry_for(body.get("model"))
-        check_limits(body, entry, settings, size)
+    large = body.size > LARGE_BODY_BYTES
+    if large:  # checked in another process: it would stall every stream here
+        checked = await settings.body_checker.check(endpoint.request_model, *body.for_checker())
+        fields, payload, size = checked.fields, checked.request, checked.size
+        entry = models.entry_for(fields.get("model"))
+        check_limits(fields, entry, settings, size)
     else:
-        body = decode(raw)
-        entry, payload, size = validated(models, settings, endpoint, body)
+        fields = decode_body(body.json())
+        entry, payload, size = validated(models, settings, endpoint, fields)
     await build_grammar_first(settings, payload, size)
     record.model = entry.name
-    payload = hold_sequences(hold, body, size, payload, record)
+    payload = hold_sequences(hold, fields, size, payload, record)
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
-        record.request_body = body if len(raw) <= LARGE_BODY_BYTES else await asyncio.to_thread(decode, raw)
+        record.request_body = fields if not large else await asyncio.to_thread(lambda: decode_body(body.json()))
     return Admitted(entry, payload, await admit_key(settings.key_limits, record))

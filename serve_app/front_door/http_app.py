@@ -40,6 +40,7 @@ from serve_app.front_door.engine_call import relay
 from serve_app.front_door.models import ModelCatalog
 from serve_app.front_door.readiness import Readiness
 from serve_app.front_door.record import ObserveRequests, RequestRecord
+from serve_app.front_door.request_body import JSONBody
 from serve_app.front_door.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")
@@ -82,7 +83,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     settings: IngressSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
     hold = getattr(request.state, SLOT_HOLD_SCOPE_KEY, None)  # (GenerationCapacity's)
-    admitted = await admit(raw, endpoint, state.models, settings, record, hold)
+    admitted = await admit(JSONBody(raw), endpoint, state.models, settings, record, hold)
     return await relay(
         admitted.entry.model,
         endpoint.method,

@@ -77,7 +77,7 @@ class RoutedAnswer:
         self,
         route: PrefixRoute,
         method: str,
-        replicas: DeploymentHandle,
+        replicas: DeploymentHandle,  # a streaming handle to the deployment's `method`
         payload: GenerationRequest,
         trace_context: dict[str, str] | None,
         here: Callable[[], LocalAnswer],
@@ -136,7 +136,8 @@ class LocalModel:
             return getattr(self._others, method).remote(payload, trace_context)
         here = partial(self._answer_here, method, payload, trace_context)
         if self._route is not None and self._others is not None:
-            return RoutedAnswer(self._route, method, self._others, payload, trace_context, here)
+            # The handle to the method (Serve's dispatch calls the method its handle names).
+            return RoutedAnswer(self._route, method, getattr(self._others, method), payload, trace_context, here)
         return here()
 
     def _answer_here(

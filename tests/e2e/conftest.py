@@ -2,10 +2,10 @@
 
 They are started as `make serve` starts an app: a Ray head with token authentication
 and Serve's cluster settings (deploy/cluster.env), then ``serve run`` on a config of two
-applications from deploy/ (:mod:`tests.e2e.apps`): the CPU app (``app``: the real vLLM
+applications from deploy/ (:mod:`tests.e2e.harness.apps`): the CPU app (``app``: the real vLLM
 CPU engine on the tiny GLM-4 model) and the bed (``sim_app``, and per test ``bed``: the
 production shape on the simulated engine, driven through its controls). The head is the
-suite's own (:mod:`tests.e2e.ray_cluster`: its temp dir, token and ports), the HTTP and
+suite's own (:mod:`tests.e2e.harness.ray_cluster`: its temp dir, token and ports), the HTTP and
 gRPC ports are free ones, and the standard OpenTelemetry variables are set in the apps'
 ``runtime_env`` so their replicas export traces to the tests' collector: nothing collides
 with, or changes, what a developer runs.
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.apps import BED_NAME, REPO, RETIRABLE, STARTED_LATER, RunningApp, suite_config
-from tests.e2e.ray_cluster import RayCluster, free_port, suite_cluster_env
-from tests.e2e.serve_run import all_healthy, start_serve_run, stop, wait_until_healthy
-from tests.e2e.serve_state import DeploymentName, serve_deploy_blocking, serve_retire, single_replica
-from tests.e2e.simulation import Bed, ready_bed
-from tests.e2e.telemetry import OTLPCollector
+from tests.e2e.harness.apps import BED_NAME, REPO, RETIRABLE, STARTED_LATER, RunningApp, suite_config
+from tests.e2e.harness.ray_cluster import RayCluster, free_port, suite_cluster_env
+from tests.e2e.harness.serve_run import all_healthy, start_serve_run, stop, wait_until_healthy
+from tests.e2e.harness.serve_state import DeploymentName, serve_deploy_blocking, serve_retire, single_replica
+from tests.e2e.harness.simulation import Bed, ready_bed
+from tests.e2e.harness.telemetry import OTLPCollector
 from tests.waiting import wait_until, wait_until_blocking
 
 # A backstop over the suite's start: measured 4 to over 7 minutes on the 2-core CI machine (a fresh
@@ -71,7 +71,7 @@ async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest)
     disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)
 
     Before them, the applications the module names answer (those started after the suite's first,
-    :data:`~tests.e2e.apps.STARTED_LATER`, may still be starting)."""
+    :data:`~tests.e2e.harness.apps.STARTED_LATER`, may still be starting)."""
     items = request.session.items
     module_items = [item for item in items if getattr(item, "module", None) is request.module]
     if not any("serving" in getattr(item, "fixturenames", ()) for item in module_items):
@@ -163,7 +163,7 @@ def alone_on_the_machine(request: pytest.FixtureRequest) -> None:
 @pytest.fixture(scope="session")
 def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str, RunningApp]]:
     """The suite's serve config run as `make serve` runs one: the CPU app, the bed and the bed's
-    variants, each by its application name (tests/e2e/apps.py)."""
+    variants, each by its application name (tests/e2e/harness/apps.py)."""
     port, grpc_port = free_port(), free_port()
     workdir = tmp_path_factory.mktemp("serve")
     config = suite_config(
@@ -267,5 +267,5 @@ async def bed(sim_app, cluster) -> Bed:
 
 @pytest.fixture(scope="session")
 def variants(serving, cluster) -> dict[str, RunningApp]:
-    """The bed's variants (tests/e2e/apps.py, :func:`~tests.e2e.apps.variant_applications`), by name."""
+    """The bed's variants (tests/e2e/harness/apps.py, :func:`~tests.e2e.harness.apps.variant_applications`), by name."""
     return serving

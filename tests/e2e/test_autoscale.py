@@ -10,7 +10,7 @@ No other replica dies.
 
 The suite's ``glm-autoscaled`` application runs it: the bed with the shipped
 autoscaling_config from one replica, and shorter downscale delay and look-back
-(tests/e2e/apps.py, AUTOSCALED), so that it comes back within the test.
+(tests/e2e/harness/apps.py, AUTOSCALED), so that it comes back within the test.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import AUTOSCALED, BED_REPLACES_S, bed_autoscaling
-from tests.e2e.bodies import chat
-from tests.e2e.serve_state import (
+from tests.e2e.harness.apps import AUTOSCALED, BED_REPLACES_S, bed_autoscaling
+from tests.e2e.harness.bodies import chat
+from tests.e2e.harness.serve_state import (
     death_reason,
     ongoing_at,
     request_log_lines,
     running_replica_actors,
     single_replica,
 )
-from tests.e2e.simulation import ready_bed
+from tests.e2e.harness.simulation import ready_bed
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.applications("glm-autoscaled"), pytest.mark.alone]

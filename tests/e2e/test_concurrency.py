@@ -16,8 +16,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import Samples, scrape, settled, total
+from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.telemetry import Samples, scrape, settled, total
 from tests.waiting import wait_until
 
 CONCURRENCY = 64

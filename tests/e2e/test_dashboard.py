@@ -23,12 +23,12 @@ import pytest
 import yaml
 
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import QUEUES, TAKES
-from tests.e2e.bodies import LONG, chat
-from tests.e2e.prometheus import Prometheus
-from tests.e2e.ray_cluster import METRICS_REPORT_S
-from tests.e2e.simulation import Bed, ready_bed
-from tests.e2e.streams import open_streams
+from tests.e2e.harness.apps import QUEUES, TAKES
+from tests.e2e.harness.bodies import LONG, chat
+from tests.e2e.harness.prometheus import Prometheus
+from tests.e2e.harness.ray_cluster import METRICS_REPORT_S
+from tests.e2e.harness.simulation import Bed, ready_bed
+from tests.e2e.harness.streams import open_streams
 from tests.repo.k8s_manifests import DASHBOARD, MONITORING
 from tests.waiting import wait_until
 
@@ -107,7 +107,7 @@ async def drive_traffic(bed: Bed, small_queue: Bed) -> None:
 
 @pytest.fixture
 async def small_queue(variants) -> Bed:
-    """``direct``: the bed with a replica taking TAKES requests and queueing QUEUES (tests/e2e/apps.py)."""
+    """``direct``: the bed with a replica taking TAKES requests and queueing QUEUES (tests/e2e/harness/apps.py)."""
     return await ready_bed(variants["direct"])
 
 

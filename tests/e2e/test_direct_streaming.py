@@ -1,7 +1,7 @@
 """Direct streaming on the bed's cluster: the model replica answers clients, through Serve's HAProxy.
 
 The ``direct`` variant (the bed's application with a small queue, under ``/direct``:
-tests/e2e/apps.py) has no ingress deployment at all: its model deployment is the
+tests/e2e/harness/apps.py) has no ingress deployment at all: its model deployment is the
 application's ingress and the ReplicaPicker is its ingress request router, so every
 answer here was streamed by a model replica to HAProxy and every POST was routed by the
 picker (HAProxy answers its own 503 page when the picker does not name a replica).
@@ -27,18 +27,18 @@ from ray import serve
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.serve_internals import ReplicaEndpoint, pick_replica
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import BED_REPLACES_S, QUEUES, TAKES, RunningApp
-from tests.e2e.bodies import LONG, chat, grpc_chat
-from tests.e2e.grpc_calls import call, channel
-from tests.e2e.serve_state import (
+from tests.e2e.harness.apps import BED_REPLACES_S, QUEUES, TAKES, RunningApp
+from tests.e2e.harness.bodies import LONG, chat, grpc_chat
+from tests.e2e.harness.grpc_calls import call, channel
+from tests.e2e.harness.serve_state import (
     DeploymentName,
     in_flight,
     request_log_lines,
     running,
     serve_replica_id,
 )
-from tests.e2e.simulation import SimulatedEngines, ready_bed
-from tests.e2e.sse import post_stream
+from tests.e2e.harness.simulation import SimulatedEngines, ready_bed
+from tests.e2e.harness.sse import post_stream
 from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
@@ -53,7 +53,7 @@ MODEL = DeploymentName(NAME, "model-glm-4-9b-chat")
 
 @pytest.fixture(scope="module")
 def direct(variants: dict[str, RunningApp]) -> RunningApp:
-    """``direct``: the bed's application with a small queue (tests/e2e/apps.py)."""
+    """``direct``: the bed's application with a small queue (tests/e2e/harness/apps.py)."""
     return variants[NAME]
 
 

@@ -1,6 +1,6 @@
 """Fair share between API keys on the bed's variants (one replica, direct streaming, fair share on
 as shipped): ``glm-keyed`` with two keys, ``glm-limited`` with them held to 2 requests at once
-(tests/e2e/apps.py), and each key's limit on requests at once.
+(tests/e2e/harness/apps.py), and each key's limit on requests at once.
 
 Key A's flood fills the replica's batch and queue; key B's one request does not wait behind A's
 waiting requests. The engine is paused while they arrive, so what it holds is exactly what was
@@ -26,10 +26,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import FLOOD_KEY, LIGHT_KEY, application
-from tests.e2e.bodies import chat
-from tests.e2e.serve_state import only_one_running, serve_deploy_kept
-from tests.e2e.simulation import Bed, ready_bed
+from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, application
+from tests.e2e.harness.bodies import chat
+from tests.e2e.harness.serve_state import only_one_running, serve_deploy_kept
+from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-keyed", "glm-limited")

@@ -25,11 +25,11 @@ import ray
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp
-from tests.e2e.bodies import LONG, chat, grpc_chat
-from tests.e2e.grpc_calls import Call, channel, ends_once
-from tests.e2e.serve_state import death_reason, replica_engines, request_log_lines, single_replica
-from tests.e2e.telemetry import scrape, total
+from tests.e2e.harness.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp
+from tests.e2e.harness.bodies import LONG, chat, grpc_chat
+from tests.e2e.harness.grpc_calls import Call, channel, ends_once
+from tests.e2e.harness.serve_state import death_reason, replica_engines, request_log_lines, single_replica
+from tests.e2e.harness.telemetry import scrape, total
 from tests.waiting import wait_until
 
 STREAMS = 8

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from serve_app.glm4.format import SPECIAL_TOKENS, STOP_TOKENS
-from tests.e2e.sse import post_stream
+from tests.e2e.harness.sse import post_stream
 from tests.glm4_conversations import CONVERSATIONS, TIME_TOOL, WEATHER_TOOL
 
 TOOLS = [WEATHER_TOOL, TIME_TOOL]

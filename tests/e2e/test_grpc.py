@@ -25,8 +25,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.bodies import LONG, grpc_chat
-from tests.e2e.grpc_calls import call, channel, ends_once
+from tests.e2e.harness.bodies import LONG, grpc_chat
+from tests.e2e.harness.grpc_calls import call, channel, ends_once
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
 
 CONCURRENT = 16  # concurrent calls; 64 concurrent exact lengths over HTTP: test_concurrency.py

@@ -22,12 +22,12 @@ from serve_app.config import parse_app_config
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.apps import application
-from tests.e2e.bodies import LONG, chat, grpc_chat
-from tests.e2e.grpc_calls import call, channel
-from tests.e2e.serve_state import ongoing_at
-from tests.e2e.streams import open_streams
-from tests.e2e.telemetry import increase, scrape, settled, total
+from tests.e2e.harness.apps import application
+from tests.e2e.harness.bodies import LONG, chat, grpc_chat
+from tests.e2e.harness.grpc_calls import call, channel
+from tests.e2e.harness.serve_state import ongoing_at
+from tests.e2e.harness.streams import open_streams
+from tests.e2e.harness.telemetry import increase, scrape, settled, total
 from tests.waiting import wait_until
 
 STREAMS = 16

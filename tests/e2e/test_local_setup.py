@@ -1,7 +1,7 @@
 """Ray's token authentication, locally, as the README shows it; the suite leaves the user's Ray alone.
 
 The suite's cluster is started as `make serve` starts one (token authentication
-on), but with its own temp dir, ports and token (tests/e2e/ray_cluster.py).
+on), but with its own temp dir, ports and token (tests/e2e/harness/ray_cluster.py).
 """
 
 from __future__ import annotations

@@ -33,10 +33,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import application
-from tests.e2e.bodies import LONG, chat
-from tests.e2e.ray_cluster import RayNode
-from tests.e2e.serve_state import (
+from tests.e2e.harness.apps import application
+from tests.e2e.harness.bodies import LONG, chat
+from tests.e2e.harness.ray_cluster import RayNode
+from tests.e2e.harness.serve_state import (
     DeploymentName,
     live_replicas,
     ongoing_at,
@@ -45,7 +45,7 @@ from tests.e2e.serve_state import (
     serve_deploy,
     serve_deploy_settled,
 )
-from tests.e2e.simulation import SimulatedEngines
+from tests.e2e.harness.simulation import SimulatedEngines
 from tests.waiting import wait_until
 
 # After the rest: the drained node holds a router replica of every application still running

@@ -17,10 +17,10 @@ import ray
 
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.bodies import chat, grpc_chat
-from tests.e2e.grpc_calls import channel
-from tests.e2e.serve_state import request_log_lines
-from tests.e2e.telemetry import scrape, settled, total
+from tests.e2e.harness.bodies import chat, grpc_chat
+from tests.e2e.harness.grpc_calls import channel
+from tests.e2e.harness.serve_state import request_log_lines
+from tests.e2e.harness.telemetry import scrape, settled, total
 from tests.waiting import wait_until
 
 TOKENS = 16

@@ -1,7 +1,7 @@
 """Prefix-aware routing, two model replicas: conversations stay where their history is cached,
 and one hot prompt still reaches both replicas.
 
-The ``prefix`` variant (the bed's application under ``/prefix``: tests/e2e/apps.py) runs two
+The ``prefix`` variant (the bed's application under ``/prefix``: tests/e2e/harness/apps.py) runs two
 model replicas, pinned, on the simulated engine with its prefix cache (vLLM's automatic prefix
 caching as the engine core does it: docs/simulated-engine.md). Whether a turn found its
 history cached is vLLM's own answer: ``usage.prompt_tokens_details.cached_tokens``. Each
@@ -25,16 +25,16 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.apps import RunningApp, application
-from tests.e2e.ray_cluster import RayCluster, free_port
-from tests.e2e.serve_run import start_serve_run, stop, wait_until_healthy
-from tests.e2e.serve_state import (
+from tests.e2e.harness.apps import RunningApp, application
+from tests.e2e.harness.ray_cluster import RayCluster, free_port
+from tests.e2e.harness.serve_run import start_serve_run, stop, wait_until_healthy
+from tests.e2e.harness.serve_state import (
     DeploymentName,
     haproxy_routes_to,
     live_replicas,
     ongoing_at,
 )
-from tests.e2e.simulation import SimulatedEngines, ready_bed
+from tests.e2e.harness.simulation import SimulatedEngines, ready_bed
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("prefix")

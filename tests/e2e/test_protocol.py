@@ -6,7 +6,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.sse import post_stream
+from tests.e2e.harness.sse import post_stream
 from tests.openai_errors import assert_openai_error
 
 

@@ -1,7 +1,7 @@
 """Quantised serving on vLLM's CPU engine: 4-bit weights and an FP8 KV cache, for real.
 
 The suite's ``glm-w4a16`` application (under ``/w4a16``: the CPU app with the shape of
-deploy/config.w4a16.yaml, tests/e2e/apps.py) serves ``models/tiny-glm4-w4a16``, the tiny model's 4-bit copy
+deploy/config.w4a16.yaml, tests/e2e/harness/apps.py) serves ``models/tiny-glm4-w4a16``, the tiny model's 4-bit copy
 written by serve_app/ops/quantise_w4a16.py (compressed-tensors W4A16, which vLLM's CPU engine runs
 with its CPUWNA16 kernels and a GPU with Marlin), with ``kv_cache_dtype: fp8``. FP8 weights
 do not run on vLLM's CPU build (its FP8 quantisation kernels are CUDA's); their timing is the
@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from serve_app.observability.engine_metrics import ENGINE_INFO
-from tests.e2e.apps import QUANTISED_CHECKPOINT, REPO, RunningApp
-from tests.e2e.bodies import chat
-from tests.e2e.serve_state import DeploymentName
-from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import scrape, total
+from tests.e2e.harness.apps import QUANTISED_CHECKPOINT, REPO, RunningApp
+from tests.e2e.harness.bodies import chat
+from tests.e2e.harness.serve_state import DeploymentName
+from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.telemetry import scrape, total
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-w4a16")

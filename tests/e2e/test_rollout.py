@@ -1,4 +1,4 @@
-"""Rolling config changes on the bed's variants (tests/e2e/apps.py): an operator turns API keys on,
+"""Rolling config changes on the bed's variants (tests/e2e/harness/apps.py): an operator turns API keys on,
 and per-key limits hold across replicas.
 
 On ``glm-rollout`` (the bed with Serve's production drain of a stopping replica), changing the
@@ -26,17 +26,17 @@ import ray
 import yaml
 
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.apps import LIMITED_KEYS, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, application
-from tests.e2e.bodies import chat, grpc_chat
-from tests.e2e.grpc_calls import call, channel
-from tests.e2e.serve_state import (
+from tests.e2e.harness.apps import LIMITED_KEYS, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, application
+from tests.e2e.harness.bodies import chat, grpc_chat
+from tests.e2e.harness.grpc_calls import call, channel
+from tests.e2e.harness.serve_state import (
     DeploymentName,
     only_one_running,
     replica_states,
     serve_deploy_kept,
 )
-from tests.e2e.simulation import ready_bed
-from tests.e2e.sse import post_stream
+from tests.e2e.harness.simulation import ready_bed
+from tests.e2e.harness.sse import post_stream
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-rollout", "glm-rate-limited")

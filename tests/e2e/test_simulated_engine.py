@@ -16,10 +16,10 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.apps import RunningApp
-from tests.e2e.simulation import ready_bed
-from tests.e2e.sse import post_stream
-from tests.e2e.telemetry import scrape, settled
+from tests.e2e.harness.apps import RunningApp
+from tests.e2e.harness.simulation import ready_bed
+from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.telemetry import scrape, settled
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("prefix")

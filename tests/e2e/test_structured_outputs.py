@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.sse import post_stream
+from tests.e2e.harness.sse import post_stream
 from tests.json_schemas import SCHEMAS, UNENFORCEABLE, parse_and_check
 
 SEEDS = range(30)  # the report's

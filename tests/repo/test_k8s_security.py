@@ -3,7 +3,7 @@
 Nothing here needs a cluster. The NetworkPolicy is read by Kubernetes' rules for ingress
 policies: a connection to a selected pod is allowed when some rule admits both its peer
 (namespace and pod labels) and its port. The suite's own Ray cluster runs with token
-authentication (tests/e2e/ray_cluster.py), so the app itself is proven to work with it.
+authentication (tests/e2e/harness/ray_cluster.py), so the app itself is proven to work with it.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ text: tested without a server.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from google.protobuf.message import Message
 
 from serve_app.errors import APIError, grpc_status, status_of
 from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.large_bodies import ToJSON
 from serve_app.protocol import DONE_EVENT, Outcome
 
 # What the gRPC service asks every replica stream for: usage on every chunk (the token
@@ -42,8 +44,27 @@ def request_body(request: Message) -> dict[str, Any]:
 
 def message_json(message_type: type[Message], raw: bytes) -> bytes:
     """A serialized request message as the HTTP API's JSON body (:func:`request_body`): what the
-    admission pipeline parses and checks as it does an HTTP body, in the checker process when large."""
+    checker process parses and checks, as it does a large HTTP body."""
     return json.dumps(request_body(message_type.FromString(raw)), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class MessageBody:
+    """A gRPC request as admission reads it (a :class:`~serve_app.front_door.request_body.RequestBody`):
+    the message the call brought, turned into the HTTP API's JSON directly; serialized only to
+    cross to the checker process when large."""
+
+    message: Message
+
+    @property
+    def size(self) -> int:
+        return self.message.ByteSize()
+
+    def json(self) -> bytes:
+        return json.dumps(request_body(self.message), ensure_ascii=False).encode()
+
+    def for_checker(self) -> tuple[bytes, ToJSON | None]:
+        return self.message.SerializeToString(), functools.partial(message_json, type(self.message))
 
 
 def _fields(message: Message) -> dict[str, Any]:

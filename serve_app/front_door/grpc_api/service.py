@@ -24,7 +24,6 @@ HTTP header does.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -45,10 +44,10 @@ from serve_app.front_door.engine_call import call_replica, settle_reply, stream_
 from serve_app.front_door.grpc_api.messages import (
     CHAT,
     COMPLETION,
+    MessageBody,
     ResponseWriter,
     StreamShape,
     error_of_event,
-    message_json,
 )
 from serve_app.front_door.models import ModelCatalog
 from serve_app.front_door.readiness import Readiness
@@ -146,9 +145,7 @@ class GenerationService:
                 if settings.generation_slots is not None:  # as HTTP: after the key, so a refused key takes none
                     hold = holding.enter_context(settings.generation_slots.hold(record, record.key_id))
                 deadline = Deadline.start(settings.time_limits, requested_timeout(metadata))
-                to_json = functools.partial(message_json, type(request))
-                raw = request.SerializeToString()
-                admitted = await admit(raw, endpoint, self.models, settings, record, hold, to_json)
+                admitted = await admit(MessageBody(request), endpoint, self.models, settings, record, hold)
                 first, rest = await call_replica(
                     admitted.entry.model,
                     endpoint.method,

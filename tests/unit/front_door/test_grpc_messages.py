@@ -8,7 +8,15 @@ from google.protobuf import struct_pb2
 from serve_app.errors import APIError
 from serve_app.front_door.endpoints import default_endpoints
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.grpc_api.messages import CHAT, COMPLETION, STREAM_OPTIONS, ResponseWriter, request_body
+from serve_app.front_door.grpc_api.messages import (
+    CHAT,
+    COMPLETION,
+    STREAM_OPTIONS,
+    MessageBody,
+    ResponseWriter,
+    message_json,
+    request_body,
+)
 from serve_app.front_door.validation import field_names, parse_request
 from serve_app.protocol import Outcome
 
@@ -131,3 +139,16 @@ def test_an_error_event_becomes_the_final_response_s_error():
 
 def test_done_is_not_an_event():
     assert ResponseWriter(CHAT, model="m").response("data: [DONE]\n\n") == (None, None)
+
+
+def test_a_message_is_admitted_as_the_json_its_serialized_bytes_become_and_counts_their_size():
+    """The gRPC door hands admission the message itself; the checker process gets its bytes."""
+    message = pb.ChatCompletionRequest(
+        model="m", messages=[pb.Message(role="user", content="h\u00e9llo")], max_tokens=7, seed=-(2**40)
+    )
+    body = MessageBody(message)
+    raw = message.SerializeToString()
+    assert body.size == len(raw)
+    assert body.json() == message_json(pb.ChatCompletionRequest, raw)
+    crossing, to_json = body.for_checker()
+    assert crossing == raw and to_json is not None and to_json(crossing) == body.json()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.apps import REPO
+from tests.e2e.harness.apps import REPO
 from tests.waiting import wait_until_blocking
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CPU_CONFIG = REPO / "deploy" / "config.cpu.yaml"
 SIM_CONFIG = REPO / "deploy" / "config.sim.yaml"
 BED_NAME = "glm-sim"

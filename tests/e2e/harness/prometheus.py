@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import httpx
 import yaml
 
-from tests.e2e.ray_cluster import free_port
+from tests.e2e.harness.ray_cluster import free_port
 from tests.waiting import wait_until_blocking
 
 SCRAPE_INTERVAL_S = 1

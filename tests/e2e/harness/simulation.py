@@ -16,8 +16,15 @@ from dataclasses import dataclass
 
 from serve_app.simulated_engine import switchboard
 from serve_app.simulated_engine.controls import Control, EngineState
-from tests.e2e.apps import RunningApp
-from tests.e2e.serve_state import SETTLE_S, DeploymentName, live_replicas, ongoing_at, running_live, single_replica
+from tests.e2e.harness.apps import RunningApp
+from tests.e2e.harness.serve_state import (
+    SETTLE_S,
+    DeploymentName,
+    live_replicas,
+    ongoing_at,
+    running_live,
+    single_replica,
+)
 from tests.waiting import wait_until
 
 

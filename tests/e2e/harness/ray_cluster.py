@@ -53,7 +53,7 @@ SUITE_TIMERS = {
     # core more, in one run).
     "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S": str(METRICS_REPORT_S / 2),
     # Each replica reports its ongoing requests to Serve's autoscaler this often (Serve's default:
-    # 10 s); glm-autoscaled's look-back is 10 s (tests/e2e/apps.py).
+    # 10 s); glm-autoscaled's look-back is 10 s (tests/e2e/harness/apps.py).
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
     # A node sent SIGTERM first drains for up to this long (Ray's default: 30 s), so that a pod's
     # Serve replicas leave before its processes go. The suite stops a node only after the Serve

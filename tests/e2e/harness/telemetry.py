@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.ray_cluster import METRICS_REPORT_S
+from tests.e2e.harness.ray_cluster import METRICS_REPORT_S
 from tests.waiting import wait_until
 
 
