@@ -1,6 +1,6 @@
 """Malformed and hostile requests, each with the 4xx it must get and the parameter it must name.
 
-Shared by the ingress's unit tests (fake replicas) and the end-to-end tests (the
+Shared by the front door's unit tests (fake replicas) and the end-to-end tests (the
 real app), so both hold the same promise: every one of these is answered with an
 OpenAI-shaped error, and none reaches an engine or hurts the server.
 """
@@ -48,7 +48,7 @@ def nested(depth: int) -> bytes:
 
 
 def padded(body: dict[str, Any], size: int = 300_000) -> bytes:
-    """``body`` grown to ``size`` bytes with JSON whitespace: large, so the ingress checks it in another process."""
+    """``body`` grown to ``size`` bytes with JSON whitespace: large, so the front door checks it in another process."""
     raw = encoded(body)
     return raw[:-1] + b" " * max(0, size - len(raw)) + b"}"
 

@@ -1,6 +1,6 @@
 """Hypothesis strategies for request bodies: mostly shaped like a chat request, any values.
 
-Shared by the ingress's fuzz test (fake replicas, many examples) and the
+Shared by the front door's fuzz test (fake replicas, many examples) and the
 end-to-end one (the real engine, few examples). ``max_output`` bounds the
 answers that pass validation, so fuzzing a real engine stays quick.
 """

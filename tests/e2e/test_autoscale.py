@@ -142,14 +142,14 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
     assert statuses == [200] * AFTER_DEATH, [r.text for r in responses if r.status_code != 200][:3]
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
     # The answers the dead engine held were answered once each, never sent to another replica:
-    # the ingress's request log (by X-Request-Id) shows one attempt for each.
+    # the replicas' request log (by X-Request-Id) shows one attempt for each.
     assert len(engine_failed) >= HELD_AT_DEATH, engine_failed
 
     async def all_logged() -> dict | None:  # (Serve writes a request's line as it ends)
         logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
         return logged if all(i in logged for i in engine_failed + answered[-100:]) else None
 
-    logged = await wait_until(all_logged, 30, "the requests in the ingress's log")
+    logged = await wait_until(all_logged, 30, "the requests in the replicas' log")
     for request_id in engine_failed:
         line = logged[request_id]
         assert (line["status"], line["error"], line["attempts"]) == (500, "engine_failed", 1), line

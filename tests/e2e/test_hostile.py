@@ -36,7 +36,7 @@ def test_hostile_request_gets_its_4xx_naming_the_parameter(client, case: Hostile
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 def test_a_large_valid_body_is_answered(client, app, stream: bool):
-    """Checked in the ingress's checker process, handed on pickled, unpickled and answered by a model replica."""
+    """Checked in the front door's checker process, handed on pickled, unpickled and answered by a model replica."""
     body = padded(chat(model=app.model, max_tokens=4, min_tokens=4, stream=stream))
     response = client.post(CHAT_PATH, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text

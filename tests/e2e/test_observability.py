@@ -71,7 +71,7 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
     for name in (metrics.TIME_TO_FIRST_TOKEN, metrics.TIME_PER_OUTPUT_TOKEN, metrics.E2E_LATENCY):
         assert grew_by(samples, name + "_sum") > 0, name  # the requests took time
 
-    # Every request ended: the ingress's gauges of queued and running requests are back at 0
+    # Every request ended: the front door's gauges of queued and running requests are back at 0
     # (present, not absent: they are set again while idle).
     def idle():
         samples = scrape(metrics_url)
@@ -96,7 +96,7 @@ async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(
         names = {span.name: span for span in otlp_collector.trace(trace_id)}
         return names if {"POST /v1/chat/completions", f"chat {app.model}"} <= set(names) else None
 
-    spans = await wait_until(both, 30, f"ingress and replica spans of trace {trace_id}")
+    spans = await wait_until(both, 30, f"front door and engine spans of trace {trace_id}")
     ingress, replica = spans["POST /v1/chat/completions"], spans[f"chat {app.model}"]
     assert ingress.parent_span_id == client_span
     assert replica.parent_span_id == ingress.span_id
@@ -142,7 +142,7 @@ async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(ap
         names = {span.name: span for span in otlp_collector.trace(trace_id)}
         return names if {"glm4serve.v1.Generation/ChatCompletion", f"chat {app.model}"} <= set(names) else None
 
-    found = await wait_until(spans, 30, f"ingress and replica spans of trace {trace_id}")
+    found = await wait_until(spans, 30, f"front door and engine spans of trace {trace_id}")
     ingress, replica = found["glm4serve.v1.Generation/ChatCompletion"], found[f"chat {app.model}"]
     assert ingress.parent_span_id == client_span and replica.parent_span_id == ingress.span_id
     assert ingress.attributes["rpc.grpc.status_code"] == 0 and ingress.attributes["rpc.system"] == "grpc"

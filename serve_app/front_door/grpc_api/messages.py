@@ -48,23 +48,25 @@ def message_json(message_type: type[Message], raw: bytes) -> bytes:
     return json.dumps(request_body(message_type.FromString(raw)), ensure_ascii=False).encode()
 
 
-@dataclass(frozen=True)
 class MessageBody:
     """A gRPC request as admission reads it (a :class:`~serve_app.front_door.request_body.RequestBody`):
-    the message the call brought, turned into the HTTP API's JSON directly; serialized only to
-    cross to the checker process when large."""
+    the message the call brought, turned into the HTTP API's JSON directly, never parsed back from
+    bytes. It is serialized once: its size on the wire is what the body limit counts (protobuf
+    computes a size by encoding), and those bytes are what a large one sends to the checker process."""
 
-    message: Message
+    def __init__(self, message: Message) -> None:
+        self.message = message
+        self._raw = message.SerializeToString()
 
     @property
     def size(self) -> int:
-        return self.message.ByteSize()
+        return len(self._raw)
 
     def json(self) -> bytes:
         return json.dumps(request_body(self.message), ensure_ascii=False).encode()
 
     def for_checker(self) -> tuple[bytes, ToJSON | None]:
-        return self.message.SerializeToString(), functools.partial(message_json, type(self.message))
+        return self._raw, functools.partial(message_json, type(self.message))
 
 
 def _fields(message: Message) -> dict[str, Any]:

@@ -83,7 +83,7 @@ async def serve_deploy_settled(
     those in ``settled`` (by default all of them) settled.
 
     A test that changed the shared apps restores them with this, so the next test never
-    meets the last one's replicas (an ingress still asking for API keys, say). A test that
+    meets the last one's replicas (a replica still asking for API keys, say). A test that
     changed one application names it in ``settled``: another may stay unsettled for good (a
     test left its rate limiter unplaceable, :func:`serve_deploy_kept`).
     """

@@ -1,4 +1,4 @@
-"""An ingress app whose model handles are fakes, for unit tests of the ingress's own decisions.
+"""The front door's HTTP app with a fake engine, for unit tests of the front door's own decisions.
 
 The fakes stand in for Ray handles only; the real path (Ray Serve + vLLM) is
 proven in tests/e2e.
@@ -112,7 +112,7 @@ def client_for(
     slots: GenerationSlots | None = None,
     costs: CostLimits | None = None,
 ) -> tuple[TestClient, FakeModel]:
-    """A client of the ingress app; its model answers ``items``, and later calls ``then``."""
+    """A client of the front door's app; its model answers ``items``, and later calls ``then``."""
     handle = FakeModel([items, *then])
     router = ModelCatalog({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", handle, 1024, max_output_tokens)})
 

@@ -1,4 +1,4 @@
-"""API keys on the ingress's HTTP app: who gets through, what the others get, rotation."""
+"""API keys on the front door's HTTP app: who gets through, what the others get, rotation."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Large bodies are checked, and grammars built first, in a separate process: same answers as in line,
-bounded in number and (grammars) in time, and the ingress survives the process's death."""
+bounded in number and (grammars) in time, and the front door survives the process's death."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Per-key rate limits: the ledger's arithmetic, the ingress's 429s, and token counting.
+"""Per-key rate limits: the ledger's arithmetic, the front door's 429s, and token counting.
 
 The shared limiter is a Ray Serve deployment in the app; here a fake handle calls
 the same :class:`RateLedger` in process, with a clock the test moves. The real
-limiter, shared by two ingress replicas, is proven in tests/e2e/test_rollout.py.
+limiter, shared by two model replicas, is proven in tests/e2e/test_rollout.py.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_a_refused_request_takes_no_lease_and_no_request_from_the_bucket():
     assert ledger.requests["a"].level == 1 and set(ledger.leases["a"]) == {"l1"}
 
 
-# --- the ingress's side ----------------------------------------------------------------------
+# --- the front door's side -------------------------------------------------------------------
 
 
 def limited_client(items: list[Any], limiter: LedgerHandle, counts_tokens: bool = False, then=()):

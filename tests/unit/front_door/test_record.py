@@ -1,6 +1,6 @@
-"""What the ingress records about each request: the record behind metrics, the log line, the spans.
+"""What the front door records about each request: the record behind metrics, the log line, the spans.
 
-The ingress app runs in process with a scripted replica (tests/unit/front_door/test_http_app.py)
+The front door's app runs in process with a scripted replica (tests/unit/front_door/test_http_app.py)
 and a recording stand-in for Ray's metrics; the real metrics, read back from
 Ray's Prometheus endpoint, and the real spans, received over OTLP from both
 deployments, are proven in tests/e2e/test_observability.py.

@@ -33,7 +33,7 @@ DEFAULTS = CostLimits()
 
 
 def refusal(body: dict, limits: CostLimits = DEFAULTS, max_model_len: int = 1024, ceiling: int | None = 1000):
-    """The 400 a body gets from check_costs (measured as the ingress measures it)."""
+    """The 400 a body gets from check_costs (measured as the front door measures it)."""
     with pytest.raises(APIError) as refused:
         check_costs(body, measure(body), limits, max_model_len, ceiling)
     assert refused.value.status == 400

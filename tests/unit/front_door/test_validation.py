@@ -1,4 +1,4 @@
-"""Strict validation in the ingress, with vLLM's real request models and fake replicas.
+"""Strict validation at the front door, with vLLM's real request models and fake replicas.
 
 The same hostile table runs against the real app in tests/e2e/test_hostile.py;
 here it runs in milliseconds (a grammar's build in the checker process, seconds),
@@ -40,7 +40,7 @@ from tests.unit.front_door.fakes import client_for
 
 @pytest.fixture(scope="module")
 def app():
-    """The ingress app with a replica that answers every request it is sent with 200, and the
+    """The front door's app with an engine that answers every request it is sent with 200, and the
     serve config's bounds on what a request costs (grammars built first in a checker process)."""
     return client_for([Reply(200, b"{}")], limit=8388608, costs=CostLimits.from_config(IngressConfig()))
 
