@@ -25,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from serve_app.config import ModelConfig, split_engine_args
+from serve_app.config import ModelConfig
+from serve_app.engine.build import build_engine, engine_config
 
 
 def model_config(path: Path) -> ModelConfig:
@@ -34,15 +35,6 @@ def model_config(path: Path) -> ModelConfig:
     if model.simulated_engine is None:
         raise SystemExit(f"{path}: the first model has no simulated_engine section")
     return model
-
-
-def vllm_config_of(model: ModelConfig) -> Any:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-
-    engine_kwargs, _ = split_engine_args(model.engine_args)
-    engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
-    return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
 async def core_alone(model: ModelConfig, sequences: int, prompt: int, tokens: int) -> dict[str, float]:
@@ -54,7 +46,7 @@ async def core_alone(model: ModelConfig, sequences: int, prompt: int, tokens: in
 
     assert model.simulated_engine is not None
     tokenizer = AutoTokenizer.from_pretrained(model.engine_args["model"])
-    core = SimulatedEngineCore(vllm_config_of(model), tokenizer, model.simulated_engine)
+    core = SimulatedEngineCore(engine_config(model).vllm_config, tokenizer, model.simulated_engine)
     started_cpu, started = time.process_time(), time.perf_counter()
     for i in range(sequences):
         params = SamplingParams(max_tokens=tokens)
@@ -73,10 +65,8 @@ async def core_alone(model: ModelConfig, sequences: int, prompt: int, tokens: in
 async def through_async_llm(model: ModelConfig, sequences: int, prompt: int, tokens: int) -> dict[str, float]:
     from vllm import SamplingParams
 
-    from serve_app.simulated_engine.core import simulated_async_llm
-
     assert model.simulated_engine is not None
-    engine = simulated_async_llm(vllm_config_of(model), model.simulated_engine, disable_log_stats=True)
+    engine = build_engine(engine_config(model))  # as a model replica builds it
 
     async def one(i: int) -> int:
         final = None

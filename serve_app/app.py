@@ -4,7 +4,7 @@ This is the ``import_path`` of every config under ``deploy/``
 (``serve_app.app:build_app``): ``serve run``, KubeRay's RayService and the tests
 all start the application here. It validates the arguments, then binds the model's
 deployment as the application's ingress
-(:class:`~serve_app.deployments.model_server.DirectModelServer`: each model replica answers
+(:class:`~serve_app.deployments.model_server.ModelServer`: each model replica answers
 its clients itself), the :class:`~serve_app.deployments.replica_picker.ReplicaPicker` that Serve's
 HAProxy asks which replica takes each request, and, when per-key rate limits are
 configured, the :class:`~serve_app.front_door.rate_limits.RateLimiter` every model replica

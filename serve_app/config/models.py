@@ -23,8 +23,8 @@ from serve_app.glm4.format import check_dtype
 class StreamBatchingConfig(StrictModel):
     """How many tokens each streamed chunk carries, by how busy the replica's engine is.
 
-    Every chunk crosses two hops (model replica to ingress to proxy), each a message
-    costing CPU that the engine needs. A stream that starts while the engine holds
+    Every chunk is a write to the client's connection, which HAProxy forwards: CPU of
+    the replica's process and of the node that the engine needs. A stream that starts while the engine holds
     ``held`` requests gets ``1 + held // requests_per_token`` tokens per chunk, at most
     ``max_tokens_per_chunk``: token by token when the engine is nearly idle, fewer
     and larger messages when it is busy and each stream's tokens come slowly anyway.
@@ -201,7 +201,7 @@ class ModelConfig(StrictModel):
 
         vLLM gives a request without ``max_tokens`` this or what the context leaves,
         whichever is smaller, and silently lowers a larger ``max_tokens`` to it; the
-        ingress answers that larger one with a 400 instead.
+        front door answers that larger one with a 400 instead.
         """
         override = self.engine_args.get("override_generation_config") or {}
         value = override.get("max_new_tokens")

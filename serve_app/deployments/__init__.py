@@ -1,6 +1,6 @@
 """The Serve deployments: each class Serve runs, and the one place its own pieces are put together.
 
-- :mod:`.model_server`: ``DirectModelServer``, the model deployment and the application's
+- :mod:`.model_server`: ``ModelServer``, the model deployment and the application's
   ingress. Runs in each model replica: the front door (:mod:`serve_app.front_door`) over the
   engine (:mod:`serve_app.engine`), called in-process.
 - :mod:`.replica_picker`: ``ReplicaPicker``, which Serve's HAProxy asks which model replica

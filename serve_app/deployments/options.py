@@ -12,7 +12,7 @@ from typing import Any
 from serve_app.config import ModelConfig
 
 # The classes Serve imports in the processes that run them.
-MODEL_SERVER = "serve_app.deployments.model_server.DirectModelServer"
+MODEL_SERVER = "serve_app.deployments.model_server.ModelServer"
 PREFIX_ROUTER = "serve_app.routing.prefix_router:PrefixAffinityRouter"
 # The model replica's health check only reads the engine's state, so it runs often. A replica
 # whose engine died exits by itself (serve_app.engine.engine_watch); the check is the backstop.

@@ -92,7 +92,7 @@ class RateLedger:
     def _live_leases(self, key_id: str, now: float) -> dict[str, float]:
         held = self.leases.get(key_id, {})
         for lease_id in [lease for lease, expires_at in held.items() if expires_at <= now]:
-            del held[lease_id]  # never given back: its ingress replica died, or lost the call
+            del held[lease_id]  # never given back: the model replica that took it died, or lost the call
         return held
 
     def charge(self, key_id: str, tokens: int, *, now: float) -> None:
@@ -127,7 +127,7 @@ class RateLedger:
     ray_actor_options={"num_cpus": 0},
 )
 class RateLimiter:
-    """The one place every ingress replica asks before a request and tells after its answer."""
+    """The one place every model replica's front door asks before a request and tells after its answer."""
 
     def __init__(self, limits: RateLimitsConfig) -> None:
         self.ledger = RateLedger(limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent_requests)

@@ -1,9 +1,10 @@
 """The engine: vLLM's ``AsyncLLM`` and OpenAI serving code, with GLM-4's changes. Runs in each model replica.
 
-- :mod:`.server`: ``ModelServer``, the engine side of the model deployment: builds the engine
-  and vLLM's serving objects (finished for GLM-4 by :mod:`serve_app.glm4.serving`) and answers
-  ``chat`` and ``completion`` with the generator protocol of :mod:`serve_app.protocol`.
-- :mod:`.engine_watch`: ends a replica whose engine died or hung.
+- :mod:`.build`: the engine and vLLM's serving objects (finished for GLM-4 by
+  :mod:`serve_app.glm4.serving`) built from a model's config; the benchmarks build theirs with it.
+- :mod:`.server`: ``EngineServer``, the engine half of the model deployment: answers ``chat``
+  and ``completion`` with the generator protocol of :mod:`serve_app.protocol`; health and load.
+- :mod:`.engine_watch`: stops the engine of a replica whose engine died or hung.
 - :mod:`.context_limit`: refuses a prompt plus ``max_tokens`` that does not fit the context.
 - :mod:`.stream_transforms`: shapes vLLM's SSE stream before it leaves the engine.
 

@@ -1,12 +1,11 @@
-"""A model replica whose engine died, or hung, leaves the cluster at once.
+"""An engine that died, or hung, is stopped at once, and its replica fails Serve's health check.
 
-Serve's health check would replace it too, but only after three failed checks
-made by the controller, whose loop stalls for tens of seconds on a busy host (it
-logs "The last control loop was slow"). Until then every router keeps sending
-the dead replica requests it can only refuse, and the front door's retries run out.
-A replica process that has exited is dropped by each router on the first call or
-queue-length probe that fails, and Serve's next health check sees a crashed
-actor and starts a replacement without waiting for three failures.
+The watch polls vLLM's flag for its engine's death. Once the calls the dead engine
+held have had their errors delivered, ``leave`` runs: the model replica
+(:meth:`serve_app.engine.server.EngineServer._leave`) stops its engine but keeps its
+process, whose front door passes each request HAProxy still hands it on to the
+other replicas, until Serve, whose health check of it now fails, takes it out and
+stops it. (Exiting at once cut the requests it was passing on.)
 
 An engine can also hang without dying (a stuck collective, a wedged worker):
 it holds requests and produces nothing, and vLLM's ``errored`` flag stays
@@ -54,11 +53,11 @@ class EngineProgress:
 
 @dataclass
 class EngineWatch:
-    """Counts the calls a replica is answering and ends its process when its engine dies or hangs.
+    """Counts the calls a replica is answering and calls ``leave`` when its engine dies or hangs.
 
     ``engine_dead`` reads the engine's flag; ``held`` the requests the engine
-    holds; ``fail_requests`` gives each of them an error; ``leave`` ends the
-    process (in tests, records that it was called).
+    holds; ``fail_requests`` gives each of them an error; ``leave`` stops the
+    engine (in tests, records that it was called).
     """
 
     engine_dead: Callable[[], bool]

@@ -1,26 +1,18 @@
-"""The model deployment: one vLLM ``AsyncLLM`` engine per replica.
+"""EngineServer: the engine half of a model replica, one vLLM ``AsyncLLM``. Runs in each model replica.
 
-With ``simulated_engine`` in the model's config, that ``AsyncLLM`` generates with
-:mod:`serve_app.simulated_engine` instead of vLLM's engine-core process, and the
-replica follows the cluster's simulation switchboard (tests drive its engine
-through it); nothing else here changes.
-
-Chat templates, sampling parameters, usage, logprobs and SSE chunk framing all
-come from vLLM's own OpenAI serving classes (``OpenAIServingChat``,
-``OpenAIServingCompletion``), set up by vLLM's ``init_app_state`` exactly as its
-own API server does, then finished for GLM-4 by :mod:`serve_app.glm4.serving`
-(chat template, stop tokens, tool calls). This module only adapts them to Ray
-Serve: it answers each call with the generator protocol of
-:mod:`serve_app.protocol`, and exposes the engine's health to Serve's health
-checks.
+The engine and vLLM's OpenAI serving objects are built by :mod:`serve_app.engine.build`
+(chat templates, sampling parameters, usage, logprobs and SSE chunk framing are vLLM's own,
+finished for GLM-4 by :mod:`serve_app.glm4.serving`). This module adapts them to the front
+door's calls: it answers each with the generator protocol of :mod:`serve_app.protocol`, and
+exposes the engine's health to Serve's health checks. With ``simulated_engine`` in the
+model's config the replica also follows the cluster's simulation switchboard (tests drive
+its engine through it); nothing else here changes.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -31,8 +23,8 @@ from pydantic import BaseModel
 from ray import serve
 
 from serve_app import vllm_internals
-from serve_app.config import ModelConfig, PromptLogprobsConfig, split_engine_args
-from serve_app.engine.context_limit import enforce_context_limit
+from serve_app.config import ModelConfig, PromptLogprobsConfig
+from serve_app.engine.build import build_engine, engine_config, serving_state
 from serve_app.engine.engine_watch import EngineProgress, EngineWatch
 from serve_app.engine.stream_transforms import (
     OutcomeTap,
@@ -44,7 +36,6 @@ from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
 from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, is_error_event
-from serve_app.simulated_engine import FINGERPRINT as SIMULATED_FINGERPRINT
 
 if TYPE_CHECKING:
     from serve_app.simulated_engine.core import SimulatedEngineCore
@@ -52,83 +43,49 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 
-class ModelServer:
-    """Serves one model's chat and text completions from a vLLM engine."""
+class EngineServer:
+    """The engine half of a model replica: one model's chat and text completions from a vLLM engine.
 
-    async def __init__(  # type: ignore[misc]  # Serve awaits it
-        self, model: ModelConfig, prompt_logprobs: PromptLogprobsConfig | None = None
-    ) -> None:
-        from starlette.datastructures import State
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.cli_args import FrontendArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
+    Built with :meth:`start` by the model deployment
+    (:class:`~serve_app.deployments.model_server.ModelServer`), which calls it in-process.
+    """
 
-        from serve_app.glm4 import serving as glm4_serving
-        from serve_app.glm4.format import check_dtype
-        from serve_app.simulated_engine import switchboard
-        from serve_app.simulated_engine.core import simulated_async_llm
-
+    def __init__(self, model: ModelConfig) -> None:
         self.model_name = model.name
         self.stream_batching = model.stream_batching
-        tracing.configure_tracing()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    @classmethod
+    async def start(cls, model: ModelConfig, prompt_logprobs: PromptLogprobsConfig | None = None) -> EngineServer:
+        """The engine of ``model`` built (:mod:`serve_app.engine.build`), loaded and watched."""
+        server = cls(model)
+        await server._start(model, prompt_logprobs)
+        return server
+
+    async def _start(self, model: ModelConfig, prompt_logprobs: PromptLogprobsConfig | None) -> None:
+        from serve_app.simulated_engine import switchboard
+
+        tracing.configure_tracing()
         progress = EngineProgress()
-        engine_kwargs, frontend_kwargs = split_engine_args(model.engine_args)
-        frontend_kwargs = glm4_serving.frontend_defaults() | frontend_kwargs
-        if model.simulated_engine is not None:  # every response says it is simulated
-            frontend_kwargs |= {"fingerprint_mode": "custom", "fingerprint_value": SIMULATED_FINGERPRINT}
-        engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
-        with vllm_internals.process_logging_kept():  # (vLLM configures its logging here too)
-            vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
-        check_dtype(vllm_config.model_config.dtype)
-        report_engine_info(model.name, vllm_config)
-        engine_options = dict(
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            enable_log_requests=engine_args.enable_log_requests,
-            # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged
-            # with this replica's id; gauges kept while idle). `disable_log_stats` only
-            # silences the periodic log line.
-            stat_loggers=[engine_stat_logger(), progress_stat_logger(progress)],
-            disable_log_stats=engine_args.disable_log_stats,
-        )
+        config = engine_config(model)
+        report_engine_info(model.name, config.vllm_config)
+        # vLLM's own engine metrics, exported through Ray's metrics (ray_vllm:*, tagged with
+        # this replica's id; gauges kept while idle), and the engine watch's progress.
+        self.engine = build_engine(config, [engine_stat_logger(), progress_stat_logger(progress)])
         self.simulated_core: SimulatedEngineCore | None = None
-        if model.simulated_engine is None:
-            with vllm_internals.process_logging_kept():  # (vLLM configures logging as it builds one)
-                self.engine = AsyncLLM.from_vllm_config(vllm_config=vllm_config, **engine_options)
-        else:
-            with vllm_internals.process_logging_kept():
-                self.engine = simulated_async_llm(vllm_config, model.simulated_engine, **engine_options)
+        if model.simulated_engine is not None:
             self.simulated_core = vllm_internals.engine_core(self.engine)
             # Tests drive it through the cluster's switchboard, which reaches a full replica too.
             self._follow_controls = asyncio.get_running_loop().create_task(
                 switchboard.follow(ray.get_runtime_context().get_actor_id(), self.simulated_core.control)
             )
             await asyncio.sleep(model.simulated_engine.load_s)  # the model's load time
-        # vLLM's serving objects read a flat namespace of front-end and engine
-        # arguments, as its CLI parser produces: nested configs given as mappings
-        # in the serve config are taken as the engine resolved them.
-        engine_values = {
-            name: getattr(vllm_config, name) if isinstance(value, dict) and hasattr(vllm_config, name) else value
-            for name, value in vars(engine_args).items()
-        }
-        frontend_args = FrontendArgs(**frontend_kwargs)
-        args = argparse.Namespace(**(vars(frontend_args) | engine_values))
-        state = State()
-        await init_app_state(self.engine, state, args, supported_tasks=await self.engine.get_supported_tasks())
-        stop_ids = glm4_serving.configure(state, self.engine)
-        await asyncio.to_thread(vllm_internals.warm_structured_output_validation, self.engine.get_tokenizer())
         # (ingress.prompt_logprobs: the longest prompt whose log-probabilities are computed, in tokens)
         logprobs_prompt_tokens = prompt_logprobs.max_prompt_tokens if prompt_logprobs is not None else None
-        enforce_context_limit(state.openai_serving_chat, vllm_internals.CHAT_RENDER_STEP, logprobs_prompt_tokens)
-        enforce_context_limit(
-            state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP, logprobs_prompt_tokens
-        )
+        state = await serving_state(self.engine, config, logprobs_prompt_tokens)
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
-        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_model_len = config.vllm_config.model_config.max_model_len
         self.watch = EngineWatch(
             engine_dead=lambda: self.engine.errored,
             leave=self._leave,
@@ -139,7 +96,10 @@ class ModelServer:
         )
         self.watch.start()
         logger.info(
-            "model %s ready (max_model_len=%d, eos/stop token ids=%s)", model.name, self.max_model_len, stop_ids
+            "model %s ready (max_model_len=%d, eos/stop token ids=%s)",
+            model.name,
+            self.max_model_len,
+            state.stop_token_ids,
         )
 
     async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[Answer, None]:
@@ -159,7 +119,7 @@ class ModelServer:
     ) -> AsyncIterator[Answer]:
         if isinstance(request, PickledRequest):  # a large body, validated in the front door's checker process
             request = request.load()
-        span = tracing.start_replica_span(
+        span = tracing.start_engine_span(
             f"{endpoint} {self.model_name}",
             trace_context,
             {
@@ -180,7 +140,7 @@ class ModelServer:
                         first_at = time.monotonic()
                     yield item
             finally:
-                _close_replica_span(span, outcome, first_at - started if first_at is not None else None)
+                _close_engine_span(span, outcome, first_at - started if first_at is not None else None)
 
     async def _generate(self, create: Any, request: Any) -> AsyncIterator[Answer]:
         """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`."""
@@ -265,14 +225,20 @@ class ModelServer:
         vllm_internals.fail_engine_requests(self.engine, EngineDeadError("the engine stopped making progress"))
 
     def _leave(self) -> None:
-        """End this replica's process (its engine died); see :mod:`serve_app.engine.engine_watch`."""
-        self.engine.shutdown()  # whatever of the engine still runs goes with it
-        os._exit(1)
+        """Its engine died or hung: stop the engine, but keep the process.
 
-    def __del__(self) -> None:
+        HAProxy and the picker keep sending this replica requests until Serve, whose
+        health check of it now fails, takes it out and stops it (draining what it
+        holds); until then its front door sends each one on to the other replicas.
+        Exiting at once cut the requests in flight here: HAProxy's plain-text 500.
+        """
+        self.engine.shutdown()
+
+    def stop(self) -> None:
+        """Serve is stopping this replica: the engine's shutdown is no death."""
         watch = getattr(self, "watch", None)
         if watch is not None:
-            watch.stopping = True  # Serve is stopping this replica: the engine's shutdown is no death
+            watch.stopping = True
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -316,7 +282,7 @@ def _outcome_of(result: BaseModel) -> Outcome | None:
     return Outcome(usage.prompt_tokens, usage.completion_tokens or 0, reasons)
 
 
-def _close_replica_span(span: Any, outcome: Outcome | None, ttft_s: float | None) -> None:
+def _close_engine_span(span: Any, outcome: Outcome | None, ttft_s: float | None) -> None:
     if not span.is_recording():
         return
     if ttft_s is not None:

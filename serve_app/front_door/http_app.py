@@ -154,7 +154,7 @@ def build_http_app(
     readiness: ReadinessSource,
     endpoints: list[Endpoint] | None = None,
 ) -> Starlette:
-    """The Starlette app the ingress deployment serves; ``readiness`` runs while it does."""
+    """The Starlette app each model replica serves (the application's ingress); ``readiness`` runs while it does."""
     endpoints = endpoints or default_endpoints()
     routes = [generation_route(e) for e in endpoints]
     routes += [

@@ -1,7 +1,7 @@
 """IngressSettings: what every generation request is held to, whichever protocol brought it.
 
 Built once per model replica from the serve config
-(:class:`serve_app.deployments.model_server.DirectModelServer`) and read by both front doors:
+(:class:`serve_app.deployments.model_server.ModelServer`) and read by both front doors:
 the HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`).
 """

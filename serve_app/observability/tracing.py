@@ -96,8 +96,12 @@ def trace_context(span: Span) -> dict[str, str]:
     return carrier
 
 
-def start_replica_span(name: str, context: Mapping[str, str] | None, attributes: dict[str, Any]) -> Span:
-    """The model replica's span of one call, a child of the front door's span that ``context`` carries."""
+def start_engine_span(name: str, context: Mapping[str, str] | None, attributes: dict[str, Any]) -> Span:
+    """The engine's span of one generation, a child of the front door's span that ``context`` carries.
+
+    ``INTERNAL``: the front door that called it runs in the same process, or (when another
+    replica answers in its place) calls it through Serve's handle, a span of its own already.
+    """
     return tracer().start_span(
-        name, context=propagate.extract(context or {}), kind=SpanKind.SERVER, attributes=attributes
+        name, context=propagate.extract(context or {}), kind=SpanKind.INTERNAL, attributes=attributes
     )

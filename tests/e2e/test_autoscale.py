@@ -126,7 +126,7 @@ async def scale_out_fail_one_and_scale_back(bed, scaling: dict) -> None:
             return await death_reason(victim)
 
         # The failed engine's replica is gone: stopped by Serve (RAY_KILL) as it scaled, or after
-        # failed health checks (its process stays until then, see DirectModelServer._leave). No
+        # failed health checks (its process stays until then, see EngineServer._leave). No
         # other replica died: Serve may stop one as it scales (RAY_KILL), which is no death.
         reason = await wait_until(victim_left, BED_REPLACES_S, "the failed engine's replica gone")
         print(f"the failed engine's replica left: {reason}")

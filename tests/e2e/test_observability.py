@@ -85,7 +85,7 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
     assert engine and all(dict(labels).get("ReplicaId") for labels in engine)
 
 
-async def test_one_request_gives_ingress_and_replica_spans_in_the_clients_trace(app, otlp_collector):
+async def test_one_request_gives_front_door_and_engine_spans_in_the_clients_trace(app, otlp_collector):
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     headers = {"traceparent": f"00-{trace_id}-{client_span}-01"}
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:

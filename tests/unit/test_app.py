@@ -107,6 +107,6 @@ def test_each_model_replica_finds_the_deployments_class_by_its_import_path() -> 
     """As Serve's replica loads a deployment named by import path (the build never imports it)."""
     from ray.serve._private.replica import _load_deployment_def_from_import_path
 
-    from serve_app.deployments.model_server import DirectModelServer
+    from serve_app.deployments.model_server import ModelServer
 
-    assert _load_deployment_def_from_import_path(MODEL_SERVER) is DirectModelServer
+    assert _load_deployment_def_from_import_path(MODEL_SERVER) is ModelServer

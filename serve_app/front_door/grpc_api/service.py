@@ -2,7 +2,7 @@
 
 Ray Serve's gRPC proxy receives each call and hands it, with a copy of its
 metadata, to the model deployment's method of the same name
-(:class:`serve_app.deployments.model_server.DirectModelServer`), which runs :class:`GenerationService`.
+(:class:`serve_app.deployments.model_server.ModelServer`), which runs :class:`GenerationService`.
 A call goes the way an HTTP request goes: API key, validation by the same code
 (:mod:`serve_app.front_door.admission`), rate limits, a replica through
 :func:`~serve_app.front_door.engine_call.call_replica`, its stream read by
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2
 
 from serve_app.errors import APIError, grpc_status
 from serve_app.front_door.admission import admit
@@ -196,12 +197,28 @@ class GenerationService:
             context.set_trailing_metadata(list(context.trailing_metadata()) + hint)
         return writer.final(record.outcome, error)
 
-    def health(self, service: str) -> tuple[bool, str] | None:
-        """Whether ``service`` ("" for the whole server) can answer now, and why not; None for an unknown service."""
-        if service not in ("", SERVICE):
-            return None
+    def check(self, request: health_pb2.HealthCheckRequest, context: GRPCContext) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1.Health/Check, as ``GET /health``: SERVING only when every model has a
+        healthy replica (NOT_SERVING with the reason as details); NOT_FOUND for another service."""
+        if request.service not in ("", SERVICE):
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
         readiness = self.readiness.readiness()
-        return readiness.ready, "" if readiness.ready else readiness.problem()
+        if not readiness.ready:
+            context.set_details(readiness.problem())
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def watch(
+        self, request: health_pb2.HealthCheckRequest, context: GRPCContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """grpc.health.v1.Health/Watch is not offered: a watch would hold a place in the replica for
+        as long as its client lives (probes use Check). UNIMPLEMENTED."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details("Watch is not offered; call Check")
+        raise NotImplementedError("grpc.health.v1.Health/Watch")
+        yield  # an async generator, as a server-streaming method must be
 
 
 def _error_of_reply(reply: Reply) -> APIError:

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2
 
 from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.errors import APIError
@@ -220,10 +221,17 @@ def test_no_first_token_in_time_is_deadline_exceeded():
     assert handle.last is not None and handle.last.cancelled  # the replica call is cancelled: the engine aborts
 
 
-def test_health_knows_the_service_and_the_whole_server_only():
+def test_health_check_knows_the_service_and_the_whole_server_only():
     svc, _, _ = service([])
-    assert svc.health("") == (True, "") and svc.health("glm4serve.v1.Generation") == (True, "")
-    assert svc.health("other.Service") is None
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for name in ("", "glm4serve.v1.Generation"):
+        context = FakeContext()
+        assert svc.check(health_pb2.HealthCheckRequest(service=name), context).status == serving
+        assert context.code is None
+    context = FakeContext()
+    answer = svc.check(health_pb2.HealthCheckRequest(service="other.Service"), context)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    assert context.code == grpc.StatusCode.NOT_FOUND and "other.Service" in context.details
 
 
 def test_a_call_holds_a_place_for_each_choice_and_is_refused_when_they_are_not_free():

@@ -151,13 +151,13 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
 
 
-def test_ingress_and_replica_spans_share_the_clients_trace(spans):
+def test_front_door_and_engine_spans_share_the_clients_trace(spans):
     spans.clear()
     client, handle = client_for([ROLE + TOKEN, LAST, DONE, Outcome(7, 3, ("stop",))])
     client.post("/v1/chat/completions", json=CHAT | {"stream": True}, headers={"traceparent": TRACEPARENT})
     [context] = handle.trace_contexts
     # What the replica does with the context it was handed (serve_app.engine.server).
-    tracing.start_replica_span("chat glm-4-9b-chat", context, {}).end()
+    tracing.start_engine_span("chat glm-4-9b-chat", context, {}).end()
     by_name = {span.name: span for span in spans.get_finished_spans()}
     ingress, replica = by_name["POST /v1/chat/completions"], by_name["chat glm-4-9b-chat"]
     assert {format(s.context.trace_id, "032x") for s in (ingress, replica)} == {CLIENT_TRACE}
@@ -167,7 +167,7 @@ def test_ingress_and_replica_spans_share_the_clients_trace(spans):
     assert ingress.attributes["http.response.status_code"] == 200
 
 
-def test_without_a_traceparent_the_ingress_starts_a_trace(spans):
+def test_without_a_traceparent_the_front_door_starts_a_trace(spans):
     spans.clear()
     client, handle = client_for([Reply(200, b"{}", Outcome(1, 1))])
     client.post("/v1/chat/completions", json=CHAT)

@@ -24,18 +24,13 @@ def sim_app_args() -> dict:
 
 
 def simulated_engine(**settings):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
+    """vLLM's AsyncLLM on the simulated core, built as a model replica builds it, with ``settings``."""
+    from serve_app.config import ModelConfig
+    from serve_app.engine.build import build_engine, engine_config
 
-    from serve_app.config import SimulatedEngineConfig, split_engine_args
-    from serve_app.simulated_engine.core import simulated_async_llm
-
-    model = sim_app_args()["models"][0]
-    engine_kwargs, _ = split_engine_args(model["engine_args"])
-    engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model["name"]])
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    config = SimulatedEngineConfig(**(model["simulated_engine"] | settings))
-    return simulated_async_llm(vllm_config, config, usage_context=UsageContext.OPENAI_API_SERVER)
+    args = sim_app_args()["models"][0]
+    model = ModelConfig.model_validate(args | {"simulated_engine": args["simulated_engine"] | settings})
+    return build_engine(engine_config(model))
 
 
 async def generate(engine, request_id: str, prompt_tokens: int = 16, first_token: int = 20, **params):
