@@ -15,10 +15,10 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.front_door.engine_call import AnswerStream
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.serve_internals import picked_replica
 
@@ -88,7 +88,7 @@ class RoutedAnswer:
         self._payload = payload
         self._trace_context = trace_context
         self._here = here
-        self._answer: Any = None  # LocalAnswer, or Serve's DeploymentResponseGenerator
+        self._answer: AnswerStream | None = None  # LocalAnswer, or Serve's DeploymentResponseGenerator
 
     def __aiter__(self) -> RoutedAnswer:
         return self
@@ -129,7 +129,7 @@ class LocalModel:
         self._others = others
         self._route = route
 
-    def generate(self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None) -> Any:
+    def generate(self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None) -> AnswerStream:
         """The answer to ``payload`` by the engine's ``method``: a :class:`LocalAnswer`, or a Serve
         handle's response from the replica that answers in its place."""
         if self._others is not None and self._engine_failed():
