@@ -59,8 +59,10 @@ def build_app(args: dict[str, Any]) -> Application:
         )
         # Serve's proxy cannot read the prompt: with prefix routing, the replica it picks asks the
         # ReplicaPicker (by the model deployment's name: it holds no handle back) which answers.
-        picker = deployment(ReplicaPicker).bind(model.deployment_name) if model.prefix_routing.enabled else None
+        picker = None
+        if model.prefix_routing.enabled:
+            picker = deployment(ReplicaPicker).bind(model.deployment_name, config.ingress.api_keys)
         return model_server.bind(model, config, rate_limiter, picker)
     server = model_server.bind(model, config, rate_limiter)
     picker = deployment(ReplicaPicker).options(**picker_options(haproxy_deregistration_s()))
-    return with_ingress_request_router(server, picker.bind(server))
+    return with_ingress_request_router(server, picker.bind(server, config.ingress.api_keys))

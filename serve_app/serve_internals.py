@@ -46,6 +46,8 @@ WRITTEN_AGAINST = "2.60.0"
 # a flat JSON object whose "replica_id" names the replica; headers under this field are set
 # on the request HAProxy forwards.
 ROUTE_PATH = "/internal/route"
+# Set on that request when HAProxy's buffer cut the body (its value: "<sent>/<whole length>").
+BODY_TRUNCATED_HEADER = "x-body-truncated"
 REQUEST_HEADERS_FIELD = "request_headers"
 # A routing-only keyword (never sent to a replica): the replica the ReplicaPicker named for a
 # request another replica received (:func:`picked_replica`).

@@ -1,21 +1,29 @@
 """ReplicaPicker: the deployment HAProxy asks which model replica takes a request. Runs in its own replicas.
 
-For each generation request, Serve's HAProxy posts the request's body to one
-ReplicaPicker replica (``/internal/route``, round robin over them), then forwards
-the client's connection to the model replica it names; the answer streams from that
-replica to HAProxy to the client and never passes through here. The pick is the
-model deployment's own request router (prefix-aware routing when the model turns it
-on, else Serve's power of two choices), run here for HAProxy.
+For each POST to the application, Serve's HAProxy posts the first
+``RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE`` bytes of the request's body to one
+ReplicaPicker replica (``/internal/route``, round robin over them), with the client's
+``Authorization`` header (deploy/cluster.env names it Serve's session header, the one
+header Serve's Lua action passes on), then forwards the client's connection to the model
+replica it names; the answer streams from that replica to HAProxy to the client and never
+passes through here. The pick is the model deployment's own request router (prefix-aware
+routing when the model turns it on, else Serve's power of two choices), run here for HAProxy.
+
+Nothing a client sends before its key is checked costs more than that check: a request
+without an accepted key (when keys are configured) is routed by load with its body unread,
+and its prompt never reaches the router's table; the replica answers it 401. A body cut at
+the buffer's size, one that nests or counts arrays and objects past the front door's bounds,
+or one that is not JSON or names no prompt, is routed by load too.
 
 It refuses nothing: HAProxy turns any answer but 200 into its own 503 page, which is
-not an OpenAI error. A body that is not JSON (or nests too deep to parse), or names no
-prompt, is routed by load, and the chosen replica's front door gives the client its 4xx.
+not an OpenAI error; the chosen replica's front door gives the client its 4xx.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,7 +34,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.serve_internals import ROUTE_PATH, pick_replica, pick_replica_id
+from serve_app.config import APIKeysConfig
+from serve_app.errors import APIError
+from serve_app.front_door.auth import APIKeys, bearer_token, load_api_keys
+from serve_app.front_door.json_body import MAX_NESTING, check_structure
+from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, pick_replica, pick_replica_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,10 +49,15 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     The router reads a chat's ``messages``, ``tools``, ``tool_choice`` and template
     arguments, or a completion's ``prompt`` (:mod:`serve_app.routing.prompt_text`),
     as attributes: the parsed body, not yet validated, offers them as a namespace.
+    The body is held to the front door's structure bounds before it is parsed.
     """
+    if not body:
+        return None
     try:
-        fields = json.loads(body) if body else None
-    except (ValueError, RecursionError):  # (nested past the parser's depth: hostile, the replica's 400)
+        if body.count(b"[") + body.count(b"{") > MAX_NESTING:  # only then can it pass a bound
+            check_structure(body)
+        fields = json.loads(body)
+    except (APIError, ValueError, RecursionError):  # the replica's 400
         return None
     if not isinstance(fields, dict):
         return None
@@ -50,6 +67,27 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     if "prompt" in fields:
         return "completion", SimpleNamespace(**fields)
     return None
+
+
+async def routing_of(
+    keys: APIKeys | None, headers: Mapping[str, str], body: Callable[[], Awaitable[bytes]]
+) -> tuple[str, Any] | None:
+    """What the request router reads of a request HAProxy asks about (None: route by load).
+
+    ``body`` is read only for a request whose key the front door accepts and whose body
+    HAProxy forwarded whole: the bytes of any other request are never parsed here.
+    """
+    if not admitted(keys, headers) or BODY_TRUNCATED_HEADER in headers:
+        return None
+    return routing_request(await body())
+
+
+def admitted(keys: APIKeys | None, headers: Mapping[str, str]) -> bool:
+    """Whether the request's key is one the front door accepts (any request, when no keys are set)."""
+    if keys is None:
+        return True
+    token = bearer_token(headers)
+    return token is not None and keys.identify(token) is not None
 
 
 @serve.deployment(
@@ -66,7 +104,9 @@ class ReplicaPicker:
     """Names the model replica for each request HAProxy asks about, or (a bare ``serve run``, no
     HAProxy) each request a model replica received: :meth:`pick`."""
 
-    def __init__(self, model: DeploymentHandle | str) -> None:
+    def __init__(self, model: DeploymentHandle | str, api_keys: APIKeysConfig | None = None) -> None:
+        """``api_keys``: the keys the front door accepts (the config's ``ingress.api_keys``)."""
+        self.keys = load_api_keys(api_keys)
         if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
             model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
         # One handle per generation method, made once (not per request); each builds its own
@@ -81,7 +121,7 @@ class ReplicaPicker:
         return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
 
     async def route(self, request: Request) -> Response:
-        parsed = routing_request(await request.body())
+        parsed = await routing_of(self.keys, request.headers, request.body)
         if parsed is None:
             endpoint = await pick_replica(self.handles["chat"])
         else:

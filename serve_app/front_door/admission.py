@@ -29,6 +29,7 @@ from serve_app.front_door.capacity import SlotHold
 from serve_app.front_door.endpoints import Endpoint
 from serve_app.front_door.engine_call import TokenCounter
 from serve_app.front_door.grammar_build import pickled
+from serve_app.front_door.json_body import decode_body
 from serve_app.front_door.large_bodies import LARGE_BODY_BYTES
 from serve_app.front_door.models import ModelCatalog, ModelEntry
 from serve_app.front_door.rate_limits import KeyLimits
@@ -36,7 +37,7 @@ from serve_app.front_door.record import RequestRecord
 from serve_app.front_door.request_body import RequestBody
 from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.front_door.settings import IngressSettings
-from serve_app.front_door.validation import decode_body, parse_request
+from serve_app.front_door.validation import parse_request
 from serve_app.protocol import GenerationRequest, with_priority
 
 

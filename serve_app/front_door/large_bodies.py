@@ -43,8 +43,9 @@ from pydantic import BaseModel
 from serve_app.errors import APIError
 from serve_app.front_door.grammar_build import build_grammar
 from serve_app.front_door.grammar_build import warm_up as warm_up_grammars
+from serve_app.front_door.json_body import decode_body
 from serve_app.front_door.request_cost import BodySize, measure
-from serve_app.front_door.validation import decode_body, parse_request
+from serve_app.front_door.validation import parse_request
 from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")

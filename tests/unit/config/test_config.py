@@ -191,6 +191,19 @@ def test_the_proxys_timeout_outlasts_every_ingress_deadline(config_file):
             assert proxy_timeout_s >= parse_app_config(app["args"]).ingress.request_timeout_s + 30, proxy
 
 
+HARD_STOP_MARGIN_S = 60  # Serve's reload after a change, and the old process's last bytes
+
+
+@pytest.mark.parametrize("config_file", SHIPPED)
+def test_haproxys_old_processes_keep_every_answer_a_config_allows(config_file):
+    """A reload (any change of the replicas) must not cut an answer: the old HAProxy process's hard
+    stop (deploy/cluster.env) outlasts the longest request Serve lets live, with a margin."""
+    hard_stop_s = int(cluster_env()["RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"])
+    serve_config = yaml.safe_load((DEPLOY / config_file).read_text())
+    longest_s = max(serve_config[proxy]["request_timeout_s"] for proxy in ("http_options", "grpc_options"))
+    assert hard_stop_s >= longest_s + HARD_STOP_MARGIN_S
+
+
 @pytest.mark.parametrize("config_file", SHIPPED)
 def test_haproxy_waits_for_a_direct_streaming_body_as_long_as_the_ingress_waits_for_one(config_file):
     """With direct streaming, HAProxy holds a POST until its body has come, for as long as

@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
+from serve_app.deployments.replica_picker import admitted, routing_of
 from serve_app.deployments.replica_picker import routing_request as read_routing_request
+from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.json_body import MAX_CONTAINERS
 from serve_app.routing.prompt_text import PromptRenderer
 
 
@@ -71,8 +74,74 @@ def test_a_completion_body_is_routed_as_a_completion() -> None:
         + b"[" * 100_000
         + b"]" * 100_000
         + b"}",
+        # More arrays and objects than the front door parses: refused unparsed (the replica's 400).
+        b'{"messages": [{"role": "user", "content": "hi"}], "metadata": [' + b"[]," * MAX_CONTAINERS + b"[]]}",
     ],
-    ids=["empty", "not json", "a list", "a string", "no prompt", "messages not a list", "not utf-8", "too deep"],
+    ids=[
+        "empty",
+        "not json",
+        "a list",
+        "a string",
+        "no prompt",
+        "messages not a list",
+        "not utf-8",
+        "too deep",
+        "too many containers",
+    ],
 )
 def test_a_body_with_no_prompt_to_read_is_routed_by_load(body: bytes) -> None:
     assert read_routing_request(body) is None
+
+
+CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+KEY = "sk-alpha-0123456789ab"
+
+
+def keys() -> APIKeys:
+    return APIKeys("test keys", read=lambda: KEY + "\n")
+
+
+class Body:
+    """The request's body as Starlette's ``request.body``, counting whether it was read."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.reads = data, 0
+
+    async def __call__(self) -> bytes:
+        self.reads += 1
+        return self.data
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer sk-not-a-configured-key-0"}, {"authorization": KEY}],
+    ids=["no key", "a wrong key", "not a bearer token"],
+)
+async def test_without_an_accepted_key_the_body_is_never_read_and_the_request_goes_by_load(headers) -> None:
+    body = Body(CHAT)
+    assert await routing_of(keys(), headers, body) is None
+    assert body.reads == 0
+
+
+async def test_with_an_accepted_key_the_prompt_is_read() -> None:
+    body = Body(CHAT)
+    parsed = await routing_of(keys(), {"authorization": f"Bearer {KEY}"}, body)
+    assert parsed is not None and parsed[0] == "chat" and body.reads == 1
+
+
+async def test_without_keys_configured_every_request_is_read() -> None:
+    body = Body(CHAT)
+    assert await routing_of(None, {}, body) is not None
+
+
+async def test_a_body_haproxy_cut_at_its_buffer_goes_by_load_unread() -> None:
+    body = Body(CHAT[:10])
+    headers = {"authorization": f"Bearer {KEY}", "x-body-truncated": "10/300000"}
+    assert await routing_of(keys(), headers, body) is None
+    assert body.reads == 0
+
+
+def test_admitted_is_the_front_doors_own_key_check() -> None:
+    assert admitted(None, {})
+    assert admitted(keys(), {"authorization": f"Bearer {KEY}"})
+    assert not admitted(keys(), {"authorization": "Bearer " + KEY[:-1] + "x"})
