@@ -205,3 +205,18 @@ def own_replica_id() -> ReplicaID | None:
     """The id of the Serve replica this process is, or None (a proxy, a driver)."""
     context = serve_context._get_internal_replica_context()
     return None if context is None else context.replica_id
+
+
+def ignore_client_control_headers() -> None:
+    """This process's Serve replica no longer takes two of its settings from a client's headers.
+
+    Serve's direct ingress reads ``x-request-disconnect-disabled: ?1`` (keep running after the
+    client left: a unary answer then held its lease and slot for up to the answer's limit) and
+    ``x-request-timeout-seconds`` (lengthen, or with 0 remove, Serve's limit on the request) from
+    the request itself, and HAProxy passes any client's on. The configured behaviour stands for
+    every request. Called by each model replica as it starts, before it serves.
+    """
+    from ray.serve._private import replica
+
+    replica.parse_disconnect_disabled_header = lambda headers: False
+    replica.parse_request_timeout_header = lambda headers, default_timeout_s: default_timeout_s

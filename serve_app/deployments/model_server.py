@@ -38,7 +38,7 @@ from serve_app.front_door.models import ModelCatalog, ModelEntry
 from serve_app.front_door.readiness import ReadinessWatch
 from serve_app.front_door.settings import ingress_settings
 from serve_app.protocol import Answer
-from serve_app.serve_internals import replica_states
+from serve_app.serve_internals import ignore_client_control_headers, replica_states
 
 
 def generation_slots(model: ModelConfig, config: AppConfig) -> GenerationSlots | None:
@@ -63,6 +63,7 @@ class ModelServer:
     ) -> None:
         """``picker``: the application's ReplicaPicker where no HAProxy asks it (a bare ``serve
         run`` with prefix routing): this replica asks it for each request it received."""
+        ignore_client_control_headers()  # (Serve's own request settings are not a client's to set)
         self.engine = await EngineServer.start(model, config.ingress.prompt_logprobs)
         context = serve.get_replica_context()
         route = PrefixRoute(picker, context.replica_id.to_full_id_str()) if picker is not None else None

@@ -9,6 +9,7 @@ under way when it acts, it slows the engine's pace. Nothing here races the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -146,6 +147,23 @@ async def test_abandoned_streams_leave_the_engine_and_are_counted_as_aborted(bed
     await wait_until(lambda: aborted() >= STREAMS, 60, f"{STREAMS} streams counted as aborted")
     assert aborted() == STREAMS
     print(f"{STREAMS} streams aborted; the engine held none {took:.3f} s after their clients left")
+
+
+async def test_a_client_cannot_keep_its_answer_generating_after_it_left(bed):
+    """Serve would keep a unary answer generating after its client left when the request says
+    ``x-request-disconnect-disabled: ?1`` (holding a place and a key's lease for up to the answer's
+    limit): the replica ignores that header, and the engine lets the request go as for any client
+    that leaves. At a tenth of the engine's pace the answer (900 tokens) would take a minute."""
+    app = bed.app
+    await bed.engines.control_all(Control.PACE, 10.0)
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        headers = {"x-request-disconnect-disabled": "?1"}
+        answer = asyncio.create_task(client.post("/v1/chat/completions", json=chat(app.model, LONG), headers=headers))
+        await bed.engines.wait_until_holding(1, within_s=30)
+        answer.cancel()  # the client leaves: httpx closes the connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await answer
+    await bed.engines.wait_until_holding(0, within_s=30)
 
 
 async def test_stream_past_its_time_limit_ends_with_an_error_event_and_is_aborted(bed):

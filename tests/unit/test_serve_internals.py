@@ -87,3 +87,17 @@ def test_replica_states_read_the_dict_serve_status_parses() -> None:
     from ray.serve.schema import DeploymentDetails, ReplicaDetails
 
     assert "replicas" in DeploymentDetails.model_fields and "state" in ReplicaDetails.model_fields
+
+
+def test_serves_direct_ingress_reads_the_two_client_headers_the_replicas_ignore_where_they_are_replaced() -> None:
+    """``ignore_client_control_headers`` replaces the two names ``Replica._direct_ingress_asgi`` calls."""
+    from ray.serve._private import http_util, replica
+
+    source = inspect.getsource(replica.Replica._direct_ingress_asgi)
+    assert "parse_disconnect_disabled_header(headers)" in source
+    assert "self._parse_request_timeout(headers)" in source
+    assert "parse_request_timeout_header(headers, http_options.request_timeout_s)" in inspect.getsource(
+        replica.Replica._parse_request_timeout
+    )
+    assert replica.parse_disconnect_disabled_header is http_util.parse_disconnect_disabled_header
+    assert replica.parse_request_timeout_header is http_util.parse_request_timeout_header
