@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
-from serve_app.front_door.auth import APIKeys, bearer_token, load_api_keys
+from serve_app.front_door.auth import APIKeysUnavailable, bearer_token, load_api_keys
 from serve_app.front_door.json_body import MAX_NESTING, check_structure
 from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, pick_replica, pick_replica_id
 
@@ -69,8 +69,32 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     return None
 
 
+class KeyCheck(Protocol):
+    """What the picker asks of the front door's keys (:class:`~serve_app.front_door.auth.APIKeys`)."""
+
+    def identify(self, key: str) -> str | None: ...
+
+
+class NoKeyAccepted:
+    """The keys where they cannot be read (a pod without the keys' Secret): no request's body is read."""
+
+    def identify(self, key: str) -> str | None:
+        return None
+
+
+def picker_keys(config: APIKeysConfig | None) -> KeyCheck | None:
+    """The keys the front door accepts (None: none configured, every body may be read). Where the
+    configured keys cannot be read in the picker's process, it still routes every request, by load,
+    its body unread: a picker that refused to start would leave HAProxy no picker to ask."""
+    try:
+        return load_api_keys(config)
+    except APIKeysUnavailable as exc:
+        logger.error("ReplicaPicker: %s; every request is routed by load, its body unread", exc)
+        return NoKeyAccepted()
+
+
 async def routing_of(
-    keys: APIKeys | None, headers: Mapping[str, str], body: Callable[[], Awaitable[bytes]]
+    keys: KeyCheck | None, headers: Mapping[str, str], body: Callable[[], Awaitable[bytes]]
 ) -> tuple[str, Any] | None:
     """What the request router reads of a request HAProxy asks about (None: route by load).
 
@@ -82,7 +106,7 @@ async def routing_of(
     return routing_request(await body())
 
 
-def admitted(keys: APIKeys | None, headers: Mapping[str, str]) -> bool:
+def admitted(keys: KeyCheck | None, headers: Mapping[str, str]) -> bool:
     """Whether the request's key is one the front door accepts (any request, when no keys are set)."""
     if keys is None:
         return True
@@ -106,7 +130,7 @@ class ReplicaPicker:
 
     def __init__(self, model: DeploymentHandle | str, api_keys: APIKeysConfig | None = None) -> None:
         """``api_keys``: the keys the front door accepts (the config's ``ingress.api_keys``)."""
-        self.keys = load_api_keys(api_keys)
+        self.keys = picker_keys(api_keys)
         if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
             model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
         # One handle per generation method, made once (not per request); each builds its own

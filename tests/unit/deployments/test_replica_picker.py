@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.deployments.replica_picker import admitted, routing_of
+from serve_app.config import APIKeysConfig
+from serve_app.deployments.replica_picker import admitted, picker_keys, routing_of
 from serve_app.deployments.replica_picker import routing_request as read_routing_request
 from serve_app.front_door.auth import APIKeys
 from serve_app.front_door.json_body import MAX_CONTAINERS
@@ -145,3 +146,11 @@ def test_admitted_is_the_front_doors_own_key_check() -> None:
     assert admitted(None, {})
     assert admitted(keys(), {"authorization": f"Bearer {KEY}"})
     assert not admitted(keys(), {"authorization": "Bearer " + KEY[:-1] + "x"})
+
+
+async def test_where_the_keys_cannot_be_read_the_picker_still_routes_every_request_unread(tmp_path) -> None:
+    """A picker on a pod without the keys' Secret starts, and reads no body (each goes by load)."""
+    keys = picker_keys(APIKeysConfig(file=str(tmp_path / "absent")))
+    body = Body(CHAT)
+    assert await routing_of(keys, {"authorization": f"Bearer {KEY}"}, body) is None
+    assert body.reads == 0
