@@ -32,10 +32,7 @@ from tests.e2e.harness.streams import open_streams
 from tests.repo.k8s_manifests import DASHBOARD, MONITORING
 from tests.waiting import wait_until
 
-# Alone: after the idle wait every gauge must be in Ray's export, which a metrics agent starved of
-# CPU by the unit tests beside it did not keep (a clean-clone run of e5a4a34: every gauge, Serve's
-# own included, missing at the scrape read, the counters there).
-pytestmark = [pytest.mark.applications("direct"), pytest.mark.alone]
+pytestmark = pytest.mark.applications("direct")
 
 RULES = MONITORING / "prometheus-rules.yaml"
 GAUGE_TTL_S = 2 * METRICS_REPORT_S  # two of Ray's export intervals: an unset gauge is dropped after this
