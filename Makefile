@@ -23,9 +23,12 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[cpu,test]'
+	$(BIN)/pip install --quiet --no-compile -e '.[cpu,test]'
 	# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break transformers' GLM import.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# The bytecode pip would write, on every core (pip compiles file by file on one: 80 s of a 170 s
+	# install). A file only a newer Python parses (torch has one) is skipped, as pip skips it.
+	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	touch $(STAMP)
 
 # requirements/gpu.lock: every dependency of the GPU image (the `gpu` extra, Linux x86-64,

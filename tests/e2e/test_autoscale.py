@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.applications("glm-autoscaled"), pytest.mark.alone]
 CLIENTS = 128
 # Long enough answers that the clients send few requests a second: under 128 clients sending
 # 128-token answers at an H100's pace, the suite's 2 cores went to HTTP and a new replica took
-# over 30 s to start. At glm-autoscaled's slower steps (apps.AUTOSCALED_ENGINE) an answer takes
+# over 30 s to start. At glm-autoscaled's slower steps (apps.SLOWER_STEPS) an answer takes
 # about 7 s, 128 clients send about 18 requests a second, and the replica's tokens take half the
 # CPU they took at 512 tokens on an H100's pace.
 TOKENS = 256

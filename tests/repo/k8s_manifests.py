@@ -26,9 +26,21 @@ CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayc
 @functools.cache
 def crd_schema(kind: str) -> dict[str, Any]:
     """The openAPIV3Schema of the served v1 version of a KubeRay CRD."""
-    crd = yaml.safe_load((CRD_DIR / CRD_FILES[kind]).read_text())
+    crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=yaml.CSafeLoader)  # 1 MB: libyaml's parser
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return version["schema"]["openAPIV3Schema"]
+
+
+@functools.cache
+def crd_validator(kind: str) -> Any:
+    """A validator of ``kind``'s schema, the schema itself checked once (``jsonschema.validate``
+    checks it again on every call: seconds, for KubeRay's)."""
+    import jsonschema
+
+    schema = crd_schema(kind)
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    return validator(schema)
 
 
 def kubectl() -> str:

@@ -27,7 +27,7 @@ from tests.repo.k8s_manifests import (
     KUBERNETES_VERSION,
     OVERLAYS,
     app_args,
-    crd_schema,
+    crd_validator,
     documents,
     pod_templates,
     rayservices,
@@ -47,7 +47,7 @@ def test_kuberay_documents_validate_against_the_crd_schemas(name):
     assert kinds, f"{name}: no KubeRay documents"
     for doc in kinds:
         assert doc["apiVersion"] == "ray.io/v1"
-        jsonschema.validate(doc, crd_schema(doc["kind"]))
+        crd_validator(doc["kind"]).validate(doc)
 
 
 def test_the_crd_schema_check_catches_a_wrong_field_type():
@@ -55,7 +55,7 @@ def test_the_crd_schema_check_catches_a_wrong_field_type():
     bad = yaml.safe_load((K8S / "base" / "rayservice.yaml").read_text())
     bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = "eight"
     with pytest.raises(jsonschema.ValidationError, match="eight"):
-        jsonschema.validate(bad, crd_schema("RayService"))
+        crd_validator("RayService").validate(bad)
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)

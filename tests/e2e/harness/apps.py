@@ -122,11 +122,14 @@ PRODUCTION_DRAIN_S = 30
 # default: 30 s), so that it scales out and back within the test. (At 2 s up and 5 s down over a
 # 5 s look-back it flapped: replicas still starting under load were stopped and started again.)
 AUTOSCALED = {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10, "look_back_period_s": 10}
-# glm-autoscaled's simulated GPU steps about four times slower than an H100 (a step of about 27 ms):
+# A simulated GPU stepping about four times slower than an H100 (a step of about 27 ms), for the
+# variants whose tests hold many clients streaming for a while, where what is proven does not
+# depend on the pace: every token streamed costs the suite's 2 cores HTTP work. glm-autoscaled:
 # Serve scales on how many requests are ongoing, not on tokens, and at an H100's pace its one
 # replica turned out 5,000 tokens a second to 128 clients, which took both cores; on a slower CI
-# machine answers then took past the bed's 60 s request timeout (504).
-AUTOSCALED_ENGINE = {"step_launch_ms": 20.0}
+# machine answers then took past the bed's 60 s request timeout (504). glm-rollout: 16 clients
+# stream through a rollout that lasts Serve's production drain (30 s) and more.
+SLOWER_STEPS = {"step_launch_ms": 20.0}
 
 
 def variant(name: str, route: str) -> dict[str, Any]:
@@ -155,15 +158,15 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       rate limiter (test_fair_share);
     - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
-    - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, which the rollout
-      test replaces while streams run (test_rollout);
+    - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain and SLOWER_STEPS, which
+      the rollout test replaces while streams run (test_rollout);
     - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
       (test_direct_streaming);
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
       test_simulated_engine; a dead engine's replica in test_direct_streaming);
     - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
       (test_autoscale), with AUTOSCALED's shorter delays and look-back so that it scales out and
-      back within the test.
+      back within the test, and SLOWER_STEPS.
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
@@ -180,6 +183,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     rollout = variant("glm-rollout", "/rollout")
     drain = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(PRODUCTION_DRAIN_S)}
     rollout.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(drain)
+    (model,) = rollout["args"]["models"]
+    model["simulated_engine"] |= SLOWER_STEPS
     direct = variant("direct", "/direct")
     (model,) = direct["args"]["models"]
     model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
@@ -191,7 +196,7 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     (model,) = autoscaled["args"]["models"]
     del model["deployment"]["num_replicas"]
     model["deployment"]["autoscaling_config"] = bed_autoscaling() | AUTOSCALED
-    model["simulated_engine"] |= AUTOSCALED_ENGINE
+    model["simulated_engine"] |= SLOWER_STEPS
     return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
 
 
