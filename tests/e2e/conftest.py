@@ -4,8 +4,7 @@ They are started as `make serve` starts an app: a Ray head with token authentica
 and Serve's cluster settings (deploy/cluster.env), then ``serve run`` on a config of two
 applications from deploy/ (:mod:`tests.e2e.harness.apps`): the CPU app (``app``: the real vLLM
 CPU engine on the tiny GLM-4 model) and the bed (``sim_app``, and per test ``bed``: the
-production shape on the simulated engine, driven through its controls); the bed's variants and
-the 4-bit app run while the modules that name them do. The head is the
+production shape on the simulated engine, driven through its controls). The head is the
 suite's own (:mod:`tests.e2e.harness.ray_cluster`: its temp dir, token and ports), the HTTP and
 gRPC ports are free ones, and the standard OpenTelemetry variables are set in the apps'
 ``runtime_env`` so their replicas export traces to the tests' collector: nothing collides
@@ -22,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.harness.apps import BED_NAME, REPO, RETIRABLE, RunningApp, suite_config
+from tests.e2e.harness.apps import BED_NAME, REPO, RETIRABLE, STARTED_LATER, RunningApp, suite_config
 from tests.e2e.harness.ray_cluster import RayCluster, free_port, suite_cluster_env
 from tests.e2e.harness.serve_run import all_healthy, start_serve_run, stop, wait_until_healthy
-from tests.e2e.harness.serve_state import DeploymentName, serve_deploy, serve_retire, single_replica
+from tests.e2e.harness.serve_state import DeploymentName, serve_deploy_blocking, serve_retire, single_replica
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.e2e.harness.telemetry import OTLPCollector
 from tests.waiting import wait_until, wait_until_blocking
@@ -57,12 +56,6 @@ def applications_used(item: pytest.Item) -> set[str]:
 
 
 _NEXT_ITEM: list[pytest.Item | None] = [None]  # the test to run after the one being torn down
-_SETTING_UP: list[pytest.Item | None] = [None]  # the test whose fixtures are being set up
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    _SETTING_UP[0] = item  # before the fixtures this test needs are set up
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -70,56 +63,28 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _NEXT_ITEM[0] = nextitem  # before the fixtures this test's end tears down
 
 
-def every_application_path(suite_config: Path) -> Path:
-    """The suite's whole config, every variant in it, beside the running one."""
-    return suite_config.with_name("every-application.yaml")
-
-
-def run_of_module(items: list[pytest.Item], first: pytest.Item) -> list[pytest.Item]:
-    """``first`` and the tests of its module that run right after it (a module's disruptive tests
-    run apart from the rest, at the end: another run of its module-scoped fixtures)."""
-    start = items.index(first)
-    end = start
-    while end < len(items) and getattr(items[end], "module", None) is getattr(first, "module", None):
-        end += 1
-    return items[start:end]
-
-
 @pytest.fixture(scope="module", autouse=True)
-async def applications_while_a_module_uses_them(request: pytest.FixtureRequest) -> AsyncIterator[None]:
-    """The bed's variants and the 4-bit app (:data:`~tests.e2e.harness.apps.RETIRABLE`) run only
-    while the tests that name them (their module's ``applications`` marker) run: idle, each
-    application's replicas cost the controller and the machine CPU the other tests need.
+async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """After each run of a module's tests on the suite's applications: the bed's variants and the 4-bit
+    app that no test still to run uses (their ``applications`` markers) are removed (``serve_retire``).
+    A test that uses one without saying so finds it gone: a failure, never a silent pass. (A module's
+    disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)
 
-    Before a module's tests, the applications it names and those the next module names are added to
-    the suite's config and deployed (the next module's start while this one runs), and the module's
-    own answer before its first test. After, those no test still to run names are removed
-    (``serve_retire``). A test that uses one without saying so finds it absent: a failure, never a
-    silent pass. (A module's disruptive tests run at the end, apart from the rest: "still to run" is
-    from the next test on.)"""
+    Before them, the applications the module names answer (those started after the suite's first,
+    :data:`~tests.e2e.harness.apps.STARTED_LATER`, may still be starting)."""
     items = request.session.items
-    assert _SETTING_UP[0] is not None
-    mine = run_of_module(items, _SETTING_UP[0])
-    if not any("serving" in getattr(item, "fixturenames", ()) for item in mine):
+    module_items = [item for item in items if getattr(item, "module", None) is request.module]
+    if not any("serving" in getattr(item, "fixturenames", ()) for item in module_items):
         yield
         return  # the suite's applications are not running
     serving, dashboard_url = request.getfixturevalue("serving"), request.getfixturevalue("cluster")
-    suite_config = serving[BED_NAME].config_path
-    used = set().union(*(applications_used(item) for item in mine))
-    after = items[items.index(mine[-1]) + 1 :]
-    upcoming = set().union(*(applications_used(item) for item in run_of_module(after, after[0]))) if after else set()
-    config = yaml.safe_load(suite_config.read_text())
-    missing = (used | upcoming) - {app["name"] for app in config["applications"]}
-    if missing:
-        every = yaml.safe_load(every_application_path(suite_config).read_text())["applications"]
-        config["applications"] += [app for app in every if app["name"] in missing]
-        suite_config.write_text(yaml.safe_dump(config, sort_keys=False))
-        await serve_deploy(suite_config, dashboard_url)
+    used = set().union(*(applications_used(item) for item in module_items))
     await wait_until(lambda: all_healthy([serving[name].url for name in used]), START_TIMEOUT_S, f"{sorted(used)} up")
     yield
     following = _NEXT_ITEM[0]
     later = items[items.index(following) :] if following is not None else []
     needed = set().union(*(applications_used(item) for item in later))
+    suite_config = serving[BED_NAME].config_path
     running = {app["name"] for app in yaml.safe_load(suite_config.read_text())["applications"]}
     retired = (RETIRABLE & running) - needed
     if retired:
@@ -198,8 +163,7 @@ def alone_on_the_machine(request: pytest.FixtureRequest) -> None:
 @pytest.fixture(scope="session")
 def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str, RunningApp]]:
     """The suite's serve config run as `make serve` runs one: the CPU app, the bed and the bed's
-    variants, each by its application name (tests/e2e/harness/apps.py; a variant answers while the
-    tests that name it run)."""
+    variants, each by its application name (tests/e2e/harness/apps.py)."""
     port, grpc_port = free_port(), free_port()
     workdir = tmp_path_factory.mktemp("serve")
     config = suite_config(
@@ -216,10 +180,7 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
         workdir,
     )
     config_path = workdir / "config.yaml"
-    every_application_path(config_path).write_text(yaml.safe_dump(config, sort_keys=False))
-    # `serve run` starts the CPU app and the bed; each other application is deployed while the
-    # tests that use it run (applications_while_a_module_uses_them).
-    first = config | {"applications": [a for a in config["applications"] if a["name"] not in RETIRABLE]}
+    first = config | {"applications": [a for a in config["applications"] if a["name"] not in STARTED_LATER]}
     config_path.write_text(yaml.safe_dump(first, sort_keys=False))
     log_path = workdir / "serve.log"
 
@@ -246,6 +207,9 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
             wait_until_healthy([apps[a["name"]].url for a in first["applications"]], proc, log_path, START_TIMEOUT_S)
         finally:
             say_the_apps_are_up()  # (or that they will not be: the unit tests need not wait)
+        # The rest start while the first tests run; the modules that use them wait for them.
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        serve_deploy_blocking(config_path, ray_cluster.dashboard_url)
         yield apps
     finally:
         stop(proc)

@@ -150,9 +150,8 @@ def with_keys(app: dict[str, Any], keys_file: Path, keys: tuple[str, ...]) -> di
 
 
 def variant_applications(workdir: Path) -> list[dict[str, Any]]:
-    """The bed's variants the suite deploys once each, while the tests that name them run, beside the
-    CPU app and the bed, so that no test deploys and restores one around itself (their key files
-    written to ``workdir``):
+    """The bed's variants the suite deploys once, beside the CPU app and the bed, so that no test
+    deploys and restores one around itself (their key files written to ``workdir``):
 
     - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share);
     - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
@@ -201,12 +200,16 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
 
 
-# The applications a few modules use: each is deployed as the module before the first that names it
-# in its ``applications`` marker starts, and removed once no test still to run names it
-# (conftest.py); the CPU app and the bed run from the suite's start to its end.
+# The applications a few modules use, each removed once no test still to run names it in its
+# module's ``applications`` marker (conftest.py); the CPU app and the bed stay to the end.
 RETIRABLE = frozenset(
     {"glm-keyed", "glm-limited", "glm-rate-limited", "glm-rollout", "direct", "prefix", "glm-autoscaled", "glm-w4a16"}
 )
+
+# Applications the suite deploys once the others answer, so that the first tests wait for fewer
+# starts: the 4-bit app's CPU engine, whose start took CPU from the CPU app's (its compile is the
+# longest part of the suite's start), is not needed before test_quantised_serving.
+STARTED_LATER = frozenset({"glm-w4a16"})
 
 QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
 
