@@ -56,7 +56,7 @@ def test_serve_status_needs_the_token_and_works_with_it(app, ray_cluster):
 def test_the_ready_line_names_the_url_and_the_models_of_each_app(app, serving):
     ready = run([sys.executable, "-m", "tools.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
     assert ready.returncode == 0, ready.stderr
-    # The suite's config as it runs now, in its order (variants come and go: conftest.py).
+    # The suite's config as it runs now, in its order (applications no later test uses are gone: conftest.py).
     running = [application["name"] for application in yaml.safe_load(app.config_path.read_text())["applications"]]
     assert ready.stdout.splitlines() == [
         f"ready: {serving[name].url}/v1 serves {serving[name].model} (Ctrl-C stops it)" for name in running
