@@ -1,7 +1,7 @@
 """LangChain's and instructor's structured outputs against the CPU app, as their users call them.
 
 tests/client_libraries.py runs in the libraries' own environment (.venv-clients, made by
-``make test``) and asks each library for the report's pydantic model with 10 seeds, both at once:
+``make test``) and asks each library for the report's pydantic model with 5 seeds, both at once:
 every answer parses into the model (the libraries raise otherwise), except any cut by
 the token limit, which the libraries refuse by its ``finish_reason``.
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
 # Each library's answers (the report's 30 are test_structured_outputs.py's, over the plain API): enough
 # for the libraries' own parsing; each runs to its end or the token limit on the CPU engine.
-SEEDS = 10
+SEEDS = 5
 
 
 async def test_langchain_and_instructor_parse_every_structured_answer(app):

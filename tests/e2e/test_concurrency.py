@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.harness.sse import post_stream
-from tests.e2e.harness.telemetry import Samples, scrape, settled, total
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, Samples, scrape, settled, total
 from tests.waiting import wait_until
 
 CONCURRENCY = 64
@@ -44,11 +44,15 @@ async def client(app):
         yield client
 
 
-async def test_concurrent_streams_each_deliver_every_token(app, client, metrics_url):
-    """Each stream delivers every token under its own id; the engine computed them in shared steps."""
+async def test_concurrent_streams_and_unary_requests_each_deliver_every_token(app, client, metrics_url):
+    """Half of them streamed, half unary, all sent at once: each delivers every token under its own
+    id; the engine computed them in shared steps."""
     before = await settled(metrics_url, f"{ITERATION_TOKENS}_count")
     body = chat_body(app.model, stream=True, stream_options={"include_usage": True})
-    streams = await asyncio.gather(*(post_stream(client, "/v1/chat/completions", body) for _ in range(CONCURRENCY)))
+    streaming = [post_stream(client, "/v1/chat/completions", body) for _ in range(CONCURRENCY // 2)]
+    unary = [client.post("/v1/chat/completions", json=chat_body(app.model)) for _ in range(CONCURRENCY // 2)]
+    results = await asyncio.gather(*streaming, *unary)
+    streams, responses = results[: CONCURRENCY // 2], results[CONCURRENCY // 2 :]
 
     ids = set()
     for stream in streams:
@@ -69,8 +73,16 @@ async def test_concurrent_streams_each_deliver_every_token(app, client, metrics_
         finish = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
         assert finish == ["length"]
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    for response in responses:
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        ids.add(answer["id"])
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["content"]) == MAX_TOKENS
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert len(ids) == CONCURRENCY, "no two responses share an id"
-    await served_together(metrics_url, before, prompt_tokens=streams[0].chunks[-1]["usage"]["prompt_tokens"])
+    await served_together(metrics_url, before, prompt_tokens=responses[0].json()["usage"]["prompt_tokens"])
 
 
 async def served_together(metrics_url: str, before: Samples, prompt_tokens: int) -> None:
@@ -84,27 +96,10 @@ async def served_together(metrics_url: str, before: Samples, prompt_tokens: int)
         lambda: steps_over(scrape(metrics_url), SHARED_STEP_TOKENS) > steps_over(before, SHARED_STEP_TOKENS),
         60,
         f"an engine step of more than {SHARED_STEP_TOKENS} tokens",
+        every_s=SCRAPE_EVERY_S,
     )
 
 
 def steps_over(samples: Samples, tokens: int) -> float:
     """Engine steps (vLLM's iteration_tokens histogram) that computed more than ``tokens`` tokens."""
     return total(samples, f"{ITERATION_TOKENS}_count") - total(samples, f"{ITERATION_TOKENS}_bucket", le=f"{tokens}.0")
-
-
-async def test_concurrent_unary_requests_each_complete(app, client, metrics_url):
-    """Each answer is complete and its own; the engine computed them in shared steps."""
-    before = await settled(metrics_url, f"{ITERATION_TOKENS}_count")
-    body = chat_body(app.model)
-    responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(CONCURRENCY)))
-    ids = set()
-    for response in responses:
-        assert response.status_code == 200, response.text
-        answer = response.json()
-        ids.add(answer["id"])
-        choice = answer["choices"][0]
-        assert choice["finish_reason"] == "length"
-        assert len(choice["logprobs"]["content"]) == MAX_TOKENS
-        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
-    assert len(ids) == CONCURRENCY, "no two responses share an id"
-    await served_together(metrics_url, before, prompt_tokens=responses[0].json()["usage"]["prompt_tokens"])

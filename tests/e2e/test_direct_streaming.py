@@ -24,6 +24,7 @@ import httpx
 import pytest
 from ray import serve
 
+from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.serve_internals import ReplicaEndpoint, pick_replica
 from serve_app.simulated_engine.controls import Control
@@ -39,6 +40,7 @@ from tests.e2e.harness.serve_state import (
 )
 from tests.e2e.harness.simulation import SimulatedEngines, ready_bed
 from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
 from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
@@ -129,11 +131,15 @@ async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp)
 
 
 async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_and_health_still_answers(
-    direct: RunningApp,
+    direct: RunningApp, metrics_url: str
 ) -> None:
-    """HTTP requests and gRPC calls hold places from one count: with HTTP holding them all, a
-    call is refused as an HTTP request is (gRPC's status for the 429, with the retry hint)."""
+    """HTTP requests and gRPC calls hold places from one count: with HTTP holding them all (the
+    engine paused), a request is refused at once with 429 and the retry hint, a call with gRPC's
+    status for it and one final response, ``/health`` still answers, every held request then
+    completes, and each refusal is counted as rejected because the queue was full."""
     limit = TAKES + QUEUES
+    labels = {"application": direct.name, "model": direct.model, "reason": "overloaded"}
+    rejected_before = rejected(metrics_url, **labels)
     async with httpx.AsyncClient(base_url=direct.url, timeout=120) as client:
         async with SimulatedEngines(MODEL).paused():
             held = [
@@ -153,11 +159,24 @@ async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_
         answers = await asyncio.gather(*held)
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["code"] == "overloaded"
+    assert (refused.json()["error"]["code"], refused.json()["error"]["type"]) == ("overloaded", "rate_limit_error")
     assert health.status_code == 200, health.text
     assert grpc_refused.code.name == "RESOURCE_EXHAUSTED", grpc_refused.details
-    assert grpc_refused.final.error.code == "overloaded" and grpc_refused.trailing["retry-after"] == "1"
+    assert [(r.final, r.error.code) for r in grpc_refused.responses] == [(True, "overloaded")]
+    assert (grpc_refused.trailing["retry-after"], grpc_refused.trailing["grpc-retry-pushback-ms"]) == ("1", "1000")
     assert [a.status_code for a in answers] == [200] * limit, [a.text for a in answers]
+    assert all(a.json()["usage"]["completion_tokens"] == LONG for a in answers)
+    await wait_until(
+        lambda: rejected(metrics_url, **labels) - rejected_before >= 2,
+        60,
+        "the rejected-requests counter grows by 2",
+        every_s=SCRAPE_EVERY_S,
+    )
+    assert rejected(metrics_url, **labels) - rejected_before == 2  # the 429 and the RESOURCE_EXHAUSTED
+
+
+def rejected(metrics_url: str, **labels: str) -> float:
+    return total(scrape(metrics_url), f"ray_{metrics.REJECTED}_total", **labels)
 
 
 async def test_a_replica_counts_its_places_in_engine_sequences(direct: RunningApp) -> None:

@@ -29,7 +29,7 @@ from tests.e2e.harness.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningA
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import Call, channel, ends_once
 from tests.e2e.harness.serve_state import death_reason, replica_engines, request_log_lines, single_replica
-from tests.e2e.harness.telemetry import scrape, total
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
 from tests.waiting import wait_until
 
 STREAMS = 8
@@ -161,6 +161,7 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
         lambda: engine_failures(metrics_url, app) - counted_before >= failed,
         60,
         f"{failed} engine failures counted in ray_{metrics.ENGINE_FAILURES}_total",
+        every_s=SCRAPE_EVERY_S,
     )
     assert engine_failures(metrics_url, app) - counted_before == failed
     print(f"{failed} requests held by the failed engine each got one engine_failed error")

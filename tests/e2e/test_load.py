@@ -1,5 +1,6 @@
 """The serving layer under load, on the bed (the simulated engine, driven through its controls):
-streaming, stream batching, abandoned streams, time limits, and a burst past the queue.
+streaming, stream batching, abandoned streams and time limits. (A replica's queue bound, 429 past
+it: test_direct_streaming.py, on ``direct``'s small queue.)
 
 Where a test needs the engine to hold requests while it acts, it pauses the engine: requests
 are admitted and held, and no token comes until it resumes. Where it needs streams still
@@ -14,21 +15,17 @@ import itertools
 import json
 import time
 
-import grpc
 import httpx
 import yaml
 
 from benchmarks.client import carries_tokens
 from serve_app.config import parse_app_config
 from serve_app.front_door import metrics
-from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import application
-from tests.e2e.harness.bodies import LONG, chat, grpc_chat
-from tests.e2e.harness.grpc_calls import call, channel
-from tests.e2e.harness.serve_state import ongoing_at
+from tests.e2e.harness.bodies import LONG, chat
 from tests.e2e.harness.streams import open_streams
-from tests.e2e.harness.telemetry import increase, scrape, settled, total
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, increase, scrape, settled, total
 from tests.waiting import wait_until
 
 STREAMS = 16
@@ -144,7 +141,7 @@ async def test_abandoned_streams_leave_the_engine_and_are_counted_as_aborted(bed
     def aborted() -> float:
         return increase(samples_before, scrape(metrics_url), f"ray_{metrics.ABORTED}_total", **labels)
 
-    await wait_until(lambda: aborted() >= STREAMS, 60, f"{STREAMS} streams counted as aborted")
+    await wait_until(lambda: aborted() >= STREAMS, 60, f"{STREAMS} streams counted as aborted", every_s=SCRAPE_EVERY_S)
     assert aborted() == STREAMS
     print(f"{STREAMS} streams aborted; the engine held none {took:.3f} s after their clients left")
 
@@ -210,115 +207,3 @@ async def test_stream_without_its_first_token_in_time_is_504_and_aborted(bed):
             error = response.json()["error"]
             assert (error["code"], error["type"]) == ("first_token_timeout", "timeout_error")
             await bed.engines.wait_until_holding(held, within_s=30)  # only the held streams remain
-
-
-QUEUE = 64 + 512  # what the bed's one model replica runs (max_ongoing_requests) and queues (max_queued_requests)
-BURST = QUEUE + 224
-BURST_TOKENS = 24
-GRPC_CALLS = 16  # sent while the queue is full
-HEALTH_PROBES = 20  # GET /health while the queue is full
-
-
-async def test_burst_past_the_queue_gets_quick_429s_and_the_rest_complete(bed, metrics_url):
-    """A burst past what one replica runs and queues, sent while its engine is paused: the replica
-    fills, at most what it runs and queues is admitted and at least the excess is refused (429
-    with the retry hint), each refusal before any answer ends; gRPC calls sent while the queue is
-    full get RESOURCE_EXHAUSTED with the same hint and one final response; ``/health`` still
-    answers; once the engine resumes, every admitted request completes, the app answers
-    normally, and the refusals are all counted.
-
-    The paused phase takes seconds; on a host so loaded that it outlasts the bed's request
-    deadline, requests still queued then end as the product promises, with the deadline's 504,
-    never sooner: such a 504 counts as admitted, and its time is checked against the deadline
-    (the refusals must still all come before it). The phase's timings are printed first.
-
-    (Exactly the excess is refused when Serve's router meets the burst fresh; within seconds of
-    other traffic it may refuse some more while it dispatches, by its own account: see
-    ``wrap_request_assignment`` in ray/serve/_private/router.py. The counts are printed.)"""
-    app = bed.app
-    config = application(yaml.safe_load(app.config_path.read_text()), app.name)
-    deployment = config["args"]["models"][0]["deployment"]
-    assert deployment["max_ongoing_requests"] + deployment["max_queued_requests"] == QUEUE
-    deadline_s = config["args"]["ingress"]["request_timeout_s"]  # a unary request's only deadline
-    # Full: the replica's front door admits what it runs and queues, and the engine queues past
-    # its batch (serve_app.deployments.options.model_server_options).
-    full = QUEUE
-
-    def timed_out(status: int, seconds: float, response: httpx.Response) -> bool:
-        """The deadline's 504, and not before the deadline (the client's clock starts first)."""
-        if status != 504:
-            return False
-        assert response.json()["error"]["code"] == "request_timeout", response.text
-        assert seconds >= deadline_s, (seconds, deadline_s)
-        return True
-
-    labels = {"application": app.name, "model": app.model, "reason": "overloaded"}
-    rejected_before = counted(metrics_url, metrics.REJECTED, **labels)
-    (replica,) = await bed.engines.replicas()
-    limits = httpx.Limits(max_connections=BURST + HEALTH_PROBES, max_keepalive_connections=BURST)
-    async with httpx.AsyncClient(base_url=app.url, timeout=300, limits=limits) as client:
-
-        async def one() -> tuple[int, float, httpx.Response]:
-            start = time.monotonic()
-            response = await client.post("/v1/chat/completions", json=chat(app.model, BURST_TOKENS))
-            return response.status_code, time.monotonic() - start, response
-
-        async with bed.engines.paused():
-            paused_at = time.monotonic()
-            burst = [asyncio.create_task(one()) for _ in range(BURST)]
-            await bed.engines.wait_until_holding(full)  # the replica full
-            full_s = time.monotonic() - paused_at
-            assert await ongoing_at(replica) == full
-            await wait_until(
-                lambda: sum(task.done() for task in burst) >= BURST - QUEUE, 120, f"{BURST - QUEUE} refusals"
-            )
-            refused_s = time.monotonic() - paused_at
-            async with channel(app) as grpc_channel:
-                stub = pb_grpc.GenerationStub(grpc_channel)
-                request = grpc_chat(app.model, 8)
-                calls = await asyncio.gather(*(call(stub.ChatCompletion, request) for _ in range(GRPC_CALLS)))
-            probes = []
-            for _ in range(HEALTH_PROBES):
-                started = time.monotonic()
-                probes.append(((await client.get("/health")).status_code, time.monotonic() - started))
-            paused_s = time.monotonic() - paused_at
-            print(f"engine paused {paused_s:.1f} s: replica full at {full_s:.1f} s, excess refused at {refused_s:.1f}")
-            ended = [task.result() for task in burst if task.done()]
-            # Held meanwhile: no answer ended, only refusals (and deadlines, if the phase outlasted one).
-            assert all(r[0] == 429 or timed_out(*r) for r in ended), {r[0] for r in ended}
-        results = await asyncio.gather(*burst)
-        after = await client.post("/v1/chat/completions", json=chat(app.model, 8))
-    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8  # normal right after
-
-    statuses = [status for status, _, _ in results]
-    assert set(statuses) <= {200, 429, 504} and 429 in statuses, set(statuses)
-    done = [t for s, t, r in results if s == 200 and r.json()["usage"]["completion_tokens"] == BURST_TOKENS]
-    expired = [t for s, t, r in results if timed_out(s, t, r)]
-    refused = [(t, r) for s, t, r in results if s == 429]
-    assert len(done) == statuses.count(200)  # every admitted request complete, or ended by its deadline
-    admitted = len(done) + len(expired)
-    assert 64 < admitted <= QUEUE and len(refused) >= BURST - QUEUE, (len(done), len(expired), len(refused))
-    for _, response in refused:
-        assert response.headers["retry-after"] == "1"
-        assert response.json()["error"]["type"] == "rate_limit_error"
-    assert max(t for t, _ in refused) < min(done + expired)  # refused at once, not after waiting in a queue
-    for result in calls:
-        assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.code
-        assert [(r.final, r.error.code) for r in result.responses] == [(True, "overloaded")]  # one final response
-        assert (result.trailing["retry-after"], result.trailing["grpc-retry-pushback-ms"]) == ("1", "1000")
-    assert [status for status, _ in probes] == [200] * HEALTH_PROBES
-    print(
-        f"burst of {BURST}: {admitted} admitted (at most {QUEUE}), {len(done)} complete and {len(expired)} past "
-        f"their {deadline_s:g} s deadline, {len(refused)} refused; "
-        f"slowest 429 {max(t for t, _ in refused):.2f} s; {GRPC_CALLS} gRPC calls, slowest RESOURCE_EXHAUSTED "
-        f"{max(c.seconds for c in calls):.3f} s; /health with the queue full: slowest "
-        f"{max(t for _, t in probes) * 1000:.0f} ms of {HEALTH_PROBES}"
-    )
-    rejected = len(refused) + GRPC_CALLS
-    # Every 429 and RESOURCE_EXHAUSTED the clients saw is counted as rejected because the queue was full.
-    await wait_until(
-        lambda: counted(metrics_url, metrics.REJECTED, **labels) - rejected_before >= rejected,
-        60,
-        f"the rejected-requests counter grows by {rejected}",
-    )
-    assert counted(metrics_url, metrics.REJECTED, **labels) - rejected_before == rejected

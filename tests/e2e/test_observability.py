@@ -20,7 +20,7 @@ from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.harness.bodies import chat, grpc_chat
 from tests.e2e.harness.grpc_calls import channel
 from tests.e2e.harness.serve_state import request_log_lines
-from tests.e2e.harness.telemetry import scrape, settled, total
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, settled, total
 from tests.waiting import wait_until
 
 TOKENS = 16
@@ -66,7 +66,9 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
         engine_grew = engine_tokens(samples) - engine_tokens(before) >= (STREAMS + 1) * TOKENS
         return samples if engine_grew and all(grown[key] >= want for key, want in expected.items()) else None
 
-    samples = await wait_until(counted, 60, f"serving metrics grow by {expected}, vLLM's tokens too")
+    samples = await wait_until(
+        counted, 60, f"serving metrics grow by {expected}, vLLM's tokens too", every_s=SCRAPE_EVERY_S
+    )
     assert {key: grew_by(samples, key[0], **dict(key[1])) for key in expected} == expected
     for name in (metrics.TIME_TO_FIRST_TOKEN, metrics.TIME_PER_OUTPUT_TOKEN, metrics.E2E_LATENCY):
         assert grew_by(samples, name + "_sum") > 0, name  # the requests took time
@@ -135,7 +137,7 @@ async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(ap
         samples = scrape(metrics_url)
         return samples if all(grown(samples, *key) >= want for key, want in expected.items()) else None
 
-    samples = await wait_until(counted, 60, f"gRPC metrics grow by {expected}")
+    samples = await wait_until(counted, 60, f"gRPC metrics grow by {expected}", every_s=SCRAPE_EVERY_S)
     assert {key: grown(samples, *key) for key in expected} == expected
 
     def spans():

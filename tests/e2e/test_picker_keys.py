@@ -18,7 +18,7 @@ from serve_app.routing.metrics import PREFIX_ROUTING_DECISIONS
 from tests.e2e.harness.apps import LIGHT_KEY
 from tests.e2e.harness.bodies import chat
 from tests.e2e.harness.simulation import ready_bed
-from tests.e2e.harness.telemetry import increase, scrape, settled
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, increase, scrape, settled
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-keyed")
@@ -51,5 +51,7 @@ async def test_a_request_without_an_accepted_key_leaves_no_prompt_in_the_router(
 
     # The refused requests went to the picker first, in the same process: once the keyed one shows,
     # any of theirs would have too.
-    after = await wait_until(lambda: asyncio.to_thread(counted), 60, f"{DECISIONS} of {keyed.name} grows")
+    after = await wait_until(
+        lambda: asyncio.to_thread(counted), 60, f"{DECISIONS} of {keyed.name} grows", every_s=SCRAPE_EVERY_S
+    )
     assert increase(before, after, DECISIONS, application=keyed.name) == 1

@@ -20,7 +20,7 @@ from tests.e2e.harness.apps import QUANTISED_CHECKPOINT, REPO, RunningApp
 from tests.e2e.harness.bodies import chat
 from tests.e2e.harness.serve_state import DeploymentName
 from tests.e2e.harness.sse import post_stream
-from tests.e2e.harness.telemetry import scrape, total
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-w4a16")
@@ -65,9 +65,11 @@ async def test_the_metrics_say_which_weights_and_kv_cache_each_replica_serves(
         return total(scrape(metrics_url), "ray_vllm_cache_config_info", **labels)
 
     quantised_labels = {"quantization": "compressed-tensors", "kv_cache_dtype": "fp8", "dtype": "bfloat16"}
-    await wait_until(lambda: asyncio.to_thread(info, NAME, **quantised_labels), 60, f"{name} of {NAME}")
+    await wait_until(
+        lambda: asyncio.to_thread(info, NAME, **quantised_labels), 60, f"{name} of {NAME}", every_s=SCRAPE_EVERY_S
+    )
     assert info(NAME) == 1  # one replica, one series
     assert info(app.name, quantization="none", kv_cache_dtype="auto", dtype="bfloat16") == 1
     # vLLM's own cache-config metric says the same (its gauge is exported on its own schedule).
     fp8 = "ray_vllm_cache_config_info with cache_dtype fp8"
-    await wait_until(lambda: asyncio.to_thread(vllms_cache_config, cache_dtype="fp8"), 60, fp8)
+    await wait_until(lambda: asyncio.to_thread(vllms_cache_config, cache_dtype="fp8"), 60, fp8, every_s=SCRAPE_EVERY_S)

@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.harness.apps import RunningApp
 from tests.e2e.harness.simulation import ready_bed
 from tests.e2e.harness.sse import post_stream
-from tests.e2e.harness.telemetry import scrape, settled
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, settled
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("prefix")
@@ -92,7 +92,9 @@ async def test_256_streams_complete_with_exact_lengths_on_both_replicas(two_repl
         return {replica: n for replica, n in seen.items() if n} if sum(seen.values()) >= STREAMS else None
 
     try:
-        counts = await wait_until(requests_per_replica, 60, f"the {STREAMS} requests counted by replica")
+        counts = await wait_until(
+            requests_per_replica, 60, f"the {STREAMS} requests counted by replica", every_s=SCRAPE_EVERY_S
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}; counted so far: {seen}") from None
     assert len(counts) == REPLICAS and sum(counts.values()) == STREAMS, counts

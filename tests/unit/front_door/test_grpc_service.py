@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.errors import APIError
+from serve_app.front_door import json_body
 from serve_app.front_door.auth import APIKeys
 from serve_app.front_door.capacity import FairShare, GenerationSlots
 from serve_app.front_door.deadlines import TimeLimits
@@ -248,16 +249,21 @@ def test_a_call_holds_a_place_for_each_choice_and_is_refused_when_they_are_not_f
     assert len(handle.payloads) == 1 and slots.held == 0
 
 
-def test_a_message_is_held_to_the_http_bodys_structure_checks():
+def test_a_message_is_held_to_the_http_bodys_structure_checks(monkeypatch):
     """The message becomes the HTTP API's JSON and is parsed as an HTTP body is: a count of arrays
-    and objects that protobuf lets through (its depth limit is below ours) is INVALID_ARGUMENT."""
+    and objects that protobuf lets through (its depth limit is below ours) is INVALID_ARGUMENT.
+
+    The bound is lowered to 1,000 here, so that the message stays a small body checked in this
+    process: 100,001 arrays would be a large one, and the test would pay the checker process's
+    start (a large message's path is the next test's)."""
+    monkeypatch.setattr(json_body, "MAX_CONTAINERS", 1_000)
     svc, handle, _ = service([Reply(200, b"{}")])
     struct = struct_pb2.Struct()
-    struct.update({"type": "json_object", "pad": [[] for _ in range(100_001)]})
+    struct.update({"type": "json_object", "pad": [[] for _ in range(1_001)]})
     context = FakeContext()
     (final,) = run(svc, request(response_format=struct), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "more than 100000 arrays and objects" in final.error.message and handle.payloads == []
+    assert "more than 1000 arrays and objects" in final.error.message and handle.payloads == []
 
 
 def answer_with_the_checkers_pid(request_model: type, raw: bytes, to_json: Any = None) -> APIError:
