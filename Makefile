@@ -92,9 +92,14 @@ SUITE_MARKS := $(shell mktemp -u /tmp/glm4-test-run.XXXXXX)
 WAIT_FOR_APPS := timeout 900 sh -c 'until test -e $(SUITE_MARKS).apps-up; do sleep 1; done' || true
 endif
 
+# Beside the end-to-end suite, the unit tests run at the priority Ray gives its workers (Ray's
+# worker_niceness, 15): at the default 0 they took the cores from the suite's replicas, Serve's
+# controller and Ray's metrics agent whenever both wanted them (docs/testing.md).
+UNIT_NICENESS := 15
+
 unit: install tiny-model $(SCAN_STAMP) prometheus
 	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
-	$(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
+	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) prometheus
