@@ -102,7 +102,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 # How often a test waiting on a metric reads Ray's endpoint: Ray exports every METRICS_REPORT_S, and
-# the suite's page is some 3 MB (8,000 samples; 1.8 s to fetch while its agent renders it).
+# the suite's page is some 3 MB (8,000 samples; 1.8 s to fetch on the busy machine).
 SCRAPE_EVERY_S = 1.0
 
 
