@@ -13,6 +13,7 @@ with, or changes, what a developer runs.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,6 +45,7 @@ FIRST_MODULES = (
     "test_dashboard",
     "test_prefix_routing",
     "test_simulated_engine",
+    "test_faults",
     "test_fair_share",
     "test_picker_keys",
     "test_rollout",
@@ -51,13 +53,15 @@ FIRST_MODULES = (
 )
 
 
-def run_order(item: pytest.Item) -> tuple[bool, bool, int]:
-    """Those that need the machine to themselves (alone) after the others, and those that replace the
-    CPU app's replica or drain a node (disruptive) last; before them, FIRST_MODULES first. (The unit
-    tests are another pytest run: `make test`.)"""
+def run_order(item: pytest.Item) -> tuple[bool, bool, bool, int]:
+    """Those that need the machine to themselves (alone) after the others, those that replace the
+    CPU app's replica or drain a node (disruptive) after them, and one that leaves an app without a
+    working replica (last) at the very end; before them, FIRST_MODULES first. (The unit tests are
+    another pytest run: `make test`.)"""
     module = Path(str(item.fspath)).stem
     first = FIRST_MODULES.index(module) if module in FIRST_MODULES else len(FIRST_MODULES)
     return (
+        item.get_closest_marker("last") is not None,
         item.get_closest_marker("disruptive") is not None,
         item.get_closest_marker("alone") is not None,
         first,
@@ -92,10 +96,13 @@ async def retire_applications_no_later_test_uses(request: pytest.FixtureRequest)
     A test that uses one without saying so finds it gone: a failure, never a silent pass. (A module's
     disruptive tests run at the end, apart from the rest: "still to run" is from the next test on.)
 
-    Before them, the applications the module names answer (those started after the suite's first,
-    :data:`~tests.e2e.harness.apps.STARTED_LATER`, may still be starting)."""
+    Before them, the applications this run of the module's tests names answer (those started after
+    the suite's first, :data:`~tests.e2e.harness.apps.STARTED_LATER`, may still be starting): a
+    module whose last tests run apart (``disruptive``, ``last``) may name one retired by then."""
     items = request.session.items
-    module_items = [item for item in items if getattr(item, "module", None) is request.module]
+    starting = _NEXT_ITEM[0] or items[0]  # the test now starting: the first of this run of the module's
+    following_on = items[items.index(starting) :]
+    module_items = list(itertools.takewhile(lambda item: getattr(item, "module", None) is request.module, following_on))
     if not any("serving" in getattr(item, "fixturenames", ()) for item in module_items):
         yield
         return  # the suite's applications are not running

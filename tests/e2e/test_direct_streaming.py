@@ -9,7 +9,7 @@ Checked here: the answers, the errors, a body slower than Serve's default wait, 
 model list, ``/health``, the gRPC API, and the replica's own queue bound (429 past it,
 while ``/health`` still answers: it never waits behind generation). The hostile table and
 large bodies, through the picker too, are test_hostile.py's (the CPU app streams the same way);
-a replica whose engine died passing requests on is proven on ``prefix``'s two replicas;
+a replica whose engine died passing requests on is test_faults.py's (on ``prefix``'s two replicas);
 prefix-aware routing is tests/e2e/test_prefix_routing.py's.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -26,25 +25,20 @@ from ray import serve
 
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
-from serve_app.serve_internals import ReplicaEndpoint, pick_replica
-from serve_app.simulated_engine.controls import Control
-from tests.e2e.harness.apps import BED_REPLACES_S, QUEUES, TAKES, RunningApp
+from tests.e2e.harness.apps import QUEUES, TAKES, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import call, channel
 from tests.e2e.harness.serve_state import (
     DeploymentName,
     in_flight,
-    request_log_lines,
-    running,
-    serve_replica_id,
 )
-from tests.e2e.harness.simulation import SimulatedEngines, ready_bed
+from tests.e2e.harness.simulation import SimulatedEngines
 from tests.e2e.harness.sse import post_stream
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
 from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.applications("direct", "prefix")
+pytestmark = pytest.mark.applications("direct")
 
 NAME, ROUTE = "direct", "/direct"
 # How long HAProxy waits for a POST's body on this path by Serve's default
@@ -196,61 +190,3 @@ async def test_a_replica_counts_its_places_in_engine_sequences(direct: RunningAp
     assert refused.json()["error"]["code"] == "overloaded"
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     assert [len(a.json()["choices"]) for a in answers] == [3, 1]
-
-
-FAILOVER_REQUESTS = 16
-
-
-async def test_a_request_that_meets_a_replica_whose_engine_died_is_answered_by_another(
-    variants: dict[str, RunningApp],
-) -> None:
-    """A replica whose engine has died stays in HAProxy's and the picker's lists until Serve,
-    whose health check of it fails, replaces it. Requests sent meanwhile to its own HTTP port,
-    as HAProxy sends those the picker names it for, are not refused: its front door sends each
-    on to the other replica. Every one is answered 200, the dead replica logged each (its
-    request log still written), and Serve replaces it. On ``prefix``, the variant with two
-    model replicas."""
-    import ray
-
-    two = await ready_bed(variants["prefix"], replicas=2)
-    app, model, engines = two.app, two.model, two.engines
-    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
-    chat_handle = serve.get_deployment_handle(model.deployment_name, app.name).options(method_name="chat")
-    endpoint: ReplicaEndpoint = await pick_replica(chat_handle)  # the picker's own call names one
-    by_serve_id = {await serve_replica_id(actor): actor for actor in await engines.replicas()}
-    dead_id = endpoint.replica_id.rsplit("#", 1)[-1]
-    dead = by_serve_id[dead_id]
-    await engines.control(dead, Control.FAIL)
-    at_once = asyncio.Semaphore(TAKES + QUEUES)
-    # The replica's own HTTP server listens on http_options.host, as the app's origin does
-    # (Serve names the node's address; on this one-node cluster HAProxy reaches it there).
-    replica_url = f"http://{httpx.URL(app.origin).host}:{endpoint.port}{app.route_prefix}"
-    async with httpx.AsyncClient(base_url=replica_url, timeout=60) as client:
-
-        async def one(i: int) -> tuple[str, httpx.Response]:
-            request_id = f"failover-{dead_id}-{i}"
-            async with at_once:
-                response = await client.post(CHAT_PATH, json=chat(app.model, 4), headers={"X-Request-Id": request_id})
-            return request_id, response
-
-        answers = await asyncio.gather(*(one(i) for i in range(FAILOVER_REQUESTS)))
-    refused = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
-    assert not refused, refused
-    assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
-    sent = [request_id for request_id, _ in answers]
-
-    async def lines() -> dict[str, Any]:
-        return await asyncio.to_thread(request_log_lines, session_dir, app.name, model.deployment_name, dead_id)
-
-    async def all_logged() -> bool:  # (a line is written as its request's record ends, after the answer)
-        return set(sent) <= set(await lines())
-
-    await wait_until(all_logged, 30, "the dead replica's log line of every request")
-    logged = await lines()
-    not_200 = {request_id: logged[request_id]["status"] for request_id in sent if logged[request_id]["status"] != 200}
-    assert not not_200, not_200
-
-    async def replaced() -> bool:
-        return dead not in await engines.replicas() and await running(model, 2)
-
-    await wait_until(replaced, BED_REPLACES_S, "the dead engine's replica replaced")

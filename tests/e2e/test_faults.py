@@ -1,40 +1,57 @@
-"""An engine that dies, or hangs, mid-answer: its streams end with an error, and a new replica serves.
+"""An engine that dies, or hangs, mid-answer: what it held ends with an error, and the rest is served.
 
-On the bed, the simulated engine is made to fail (vLLM's own engine-dead error path, which a
-dead engine-core process takes) or to hang, at the moment the test chooses: streams under way
+The simulated engine is made to fail (vLLM's own engine-dead error path, which a dead
+engine-core process takes) or to hang, at the moment the test chooses: streams under way
 (their first tokens read, the engine at a fifth of its pace) and requests still waiting for
-their first token (the engine paused). One canary on the CPU app kills the real engine's
-process, the event the simulated failure stands for; it replaces the CPU app's replica, so it
-runs last.
+their first token (the engine paused). The death is on ``prefix``'s two model replicas (what
+its replica is sent next goes on to the other), the hang on the bed. One canary on the CPU
+app kills the real engine's process, the event the simulated failure stands for; it leaves
+the CPU app without an engine, so it runs last.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 import ray
+from ray import serve
+from ray.util.state import list_actors
 
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.serve_internals import pick_replica
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import Call, channel, ends_once
-from tests.e2e.harness.serve_state import death_reason, replica_engines, request_log_lines, single_replica
+from tests.e2e.harness.serve_state import (
+    DeploymentName,
+    death_reason,
+    replica_engines,
+    request_log_lines,
+    running_replica_actors,
+    serve_replica_id,
+    single_replica,
+)
+from tests.e2e.harness.simulation import SimulatedEngines, ready_bed
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
+from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
 
 STREAMS = 8
 GRPC_STREAMS = 4
 WAITING = 2  # sent once the engine is paused: in the engine, before their first token
+PASSED_ON = 16  # sent to the failed engine's replica while it is still listed
 
 
 @dataclass
@@ -87,18 +104,24 @@ async def grpc_stream(app: RunningApp, started: asyncio.Event) -> Call:
 
 
 async def streams_through(
-    app: RunningApp, engines, act: Callable[[], Awaitable[None]]
+    app: RunningApp,
+    engines: SimulatedEngines,
+    replica: str,
+    act: Callable[[], Awaitable[None]],
+    url: str | None = None,
+    grpc_streams: int = GRPC_STREAMS,
 ) -> tuple[list[Stream], list[Call], list[Stream]]:
-    """STREAMS HTTP and GRPC_STREAMS gRPC streams under way, then WAITING more held by the paused
-    engine before their first token; then ``act``; each stream as it ended."""
-    started = [asyncio.Event() for _ in range(STREAMS + GRPC_STREAMS)]
-    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+    """STREAMS HTTP streams (to ``url``: the app's, or one replica's own port as HAProxy sends
+    them) and ``grpc_streams`` gRPC streams under way on ``replica``, then WAITING more held by its
+    paused engine before their first token; then ``act``; each stream as it ended."""
+    started = [asyncio.Event() for _ in range(STREAMS + grpc_streams)]
+    async with httpx.AsyncClient(base_url=url or app.url, timeout=120) as client:
         under_way = [asyncio.create_task(stream(client, app, e)) for e in started[:STREAMS]]
         grpc_calls = [asyncio.create_task(grpc_stream(app, e)) for e in started[STREAMS:]]
         await wait_until(lambda: all(e.is_set() for e in started), 60, "every stream under way", every_s=0.02)
-        await engines.control_all(Control.PAUSE)
+        await engines.control(replica, Control.PAUSE)
         waiting = [asyncio.create_task(stream(client, app)) for _ in range(WAITING)]
-        await engines.wait_until_holding(STREAMS + GRPC_STREAMS + WAITING)
+        await engines.wait_until_holding(STREAMS + grpc_streams + WAITING)
         await act()
         return await asyncio.gather(*under_way), await asyncio.gather(*grpc_calls), await asyncio.gather(*waiting)
 
@@ -145,18 +168,36 @@ def check_cut(streams: list[Stream], grpc_calls: list[Call], waiting: list[Strea
         assert s.status == 500 and json.loads(s.events[0])["error"]["code"] == "engine_failed", (s.status, s.events)
 
 
-async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_replica_serves(bed, metrics_url):
-    app = bed.app
+@pytest.mark.applications("prefix")
+async def test_an_engine_death_ends_what_it_held_with_an_error_and_its_replica_passes_on_the_rest(
+    variants: dict[str, RunningApp], metrics_url: str
+) -> None:
+    """On ``prefix``'s two model replicas, one engine fails while it holds streams under way and
+    requests waiting for their first token, sent to its replica's own HTTP port as HAProxy sends
+    them: each ends once with an ``engine_failed`` error and is counted once. The replica stays in
+    HAProxy's and the picker's lists until Serve, whose health check of it fails, stops it;
+    requests sent to it meanwhile are not refused but passed on to the other replica (200 each,
+    its request log still written), and then it leaves. (That Serve starts a replacement is the
+    hung engine's test's.)"""
+    two = await ready_bed(variants["prefix"], replicas=2)
+    app, model, engines = two.app, two.model, two.engines
     counted_before = await asyncio.to_thread(engine_failures, metrics_url, app)
-    (replica,) = await bed.engines.replicas()
-    await bed.engines.control_all(Control.PACE, 5.0)
+    chat_handle = serve.get_deployment_handle(model.deployment_name, app.name).options(method_name="chat")
+    endpoint = await pick_replica(chat_handle)  # the picker's own call names one
+    by_serve_id = {await serve_replica_id(actor): actor for actor in await engines.replicas()}
+    dead_id = endpoint.replica_id.rsplit("#", 1)[-1]
+    dead = by_serve_id[dead_id]
+    # The replica's own HTTP server listens on http_options.host, as the app's origin does
+    # (Serve names the node's address; on this one-node cluster HAProxy reaches it there).
+    replica_url = f"http://{httpx.URL(app.origin).host}:{endpoint.port}{app.route_prefix}"
+    await engines.control(dead, Control.PACE, 5.0)
 
     async def fail() -> None:
-        await bed.engines.control(replica, Control.FAIL)
+        await engines.control(dead, Control.FAIL)
 
-    streams, grpc_calls, waiting = await streams_through(app, bed.engines, fail)
-    check_cut(streams, grpc_calls, waiting)
-    failed = STREAMS + GRPC_STREAMS + WAITING
+    streams, _, waiting = await streams_through(app, engines, dead, fail, url=replica_url, grpc_streams=0)
+    check_cut(streams, [], waiting)
+    failed = STREAMS + WAITING
     await wait_until(  # each is counted once (Ray exports metrics every few seconds)
         lambda: engine_failures(metrics_url, app) - counted_before >= failed,
         60,
@@ -164,9 +205,74 @@ async def test_engine_death_ends_each_request_once_with_an_error_and_a_new_repli
         every_s=SCRAPE_EVERY_S,
     )
     assert engine_failures(metrics_url, app) - counted_before == failed
-    print(f"{failed} requests held by the failed engine each got one engine_failed error")
-    print(f"answers resumed {await seconds_until_answers_resume(app):.1f} s after the engine died")
-    await wait_until(lambda: left(replica), BED_REPLACES_S, "the failed engine's replica gone")
+
+    async with httpx.AsyncClient(base_url=replica_url, timeout=60) as client:
+
+        async def one(i: int) -> tuple[str, httpx.Response]:
+            request_id = f"passed-on-{dead_id}-{i}"
+            response = await client.post(CHAT_PATH, json=chat(app.model, 4), headers={"X-Request-Id": request_id})
+            return request_id, response
+
+        answers = await asyncio.gather(*(one(i) for i in range(PASSED_ON)))
+    refused = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
+    assert not refused, refused
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for _, r in answers)
+    sent = [request_id for request_id, _ in answers]
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+
+    async def lines() -> dict[str, Any]:
+        return await asyncio.to_thread(request_log_lines, session_dir, app.name, model.deployment_name, dead_id)
+
+    async def all_logged() -> bool:  # (a line is written as its request's record ends, after the answer)
+        return set(sent) <= set(await lines())
+
+    await wait_until(all_logged, 30, "the dead replica's log line of every request")
+    logged = await lines()
+    not_200 = {request_id: logged[request_id]["status"] for request_id in sent if logged[request_id]["status"] != 200}
+    assert not not_200, not_200
+    print(f"{failed} requests held by the failed engine each got one engine_failed error; {PASSED_ON} sent after")
+    await wait_until(lambda: left(dead), BED_REPLACES_S, "the failed engine's replica gone")
+
+
+@pytest.mark.applications("prefix")
+async def test_a_replica_process_killed_mid_stream_cuts_the_connection_never_a_clean_end(
+    variants: dict[str, RunningApp],
+) -> None:
+    """A model replica's process killed (SIGKILL: an out-of-memory kill, a lost node) while it
+    streams an answer through HAProxy: the client's connection is cut, so its library raises a
+    transport error; the stream has no ``[DONE]`` and no error event, nothing that reads as a
+    complete answer. (HAProxy retries only a connection that failed before the request was sent:
+    docs/api-behaviour.md.) On ``prefix`` after the death above, its last test: the replacement
+    Serve starts for this replica is not waited for."""
+    model = DeploymentName("prefix", variants["prefix"].model_deployment)
+    app, engines = variants["prefix"], SimulatedEngines(model)
+    serving = await wait_until(lambda: running_replica_actors(model), 60, "a running replica on prefix")
+    for replica in serving:  # slow enough that the stream is still under way when its replica dies
+        await engines.control(replica, Control.PACE, 20.0)
+    events: list[str] = []
+    first_chunk = asyncio.Event()
+
+    async def read() -> None:
+        async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+            body = chat(app.model, LONG, stream=True)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first_chunk.set()
+
+    reading = asyncio.create_task(read())
+    await wait_until(first_chunk.is_set, 60, "the stream under way", every_s=0.02)
+    states = {replica: await engines.control(replica, Control.STATE) for replica in serving}
+    (streaming,) = [replica for replica, state in states.items() if state.holds]
+    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", streaming)])
+    os.kill(actor.pid, signal.SIGKILL)
+    with pytest.raises(httpx.TransportError):
+        await reading
+    assert events and "[DONE]" not in events, events[-2:]
+    assert not any("error" in json.loads(event) for event in events), events[-2:]
+    print(f"{len(events)} chunks read before the cut; the client's library raised a transport error")
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
@@ -191,14 +297,14 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     leaves (see :func:`left`); a new one serves."""
     app = bed.app
     (replica,) = await bed.engines.replicas()
-    await bed.engines.control_all(Control.PACE, 5.0)
+    await bed.engines.control(replica, Control.PACE, 5.0)
     hung_at: list[float] = []
 
     async def hang() -> None:
         hung_at.append(time.monotonic())
         await bed.engines.control(replica, Control.HANG)
 
-    streams, grpc_calls, waiting = await streams_through(app, bed.engines, hang)
+    streams, grpc_calls, waiting = await streams_through(app, bed.engines, replica, hang)
     check_cut(streams, grpc_calls, waiting)
     slowest = max(s.ended_at for s in streams + waiting) - hung_at[0]
     print(f"every request ended {slowest:.1f} s after the engine hung (engine_stall_timeout_s {BED_STALL_TIMEOUT_S})")
@@ -208,13 +314,14 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
 
 
-@pytest.mark.disruptive  # the CPU app's replica is replaced (a CPU engine loads for a minute)
-async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_and_is_replaced(app, one_replica):
+@pytest.mark.last  # the CPU app is left without an engine: nothing waits for its new one
+async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_event(app, one_replica):
     """The canary for the simulated failure: the real engine-core process is killed (SIGKILL)
-    while it generates. Streams it was generating end with an ``engine_failed`` error event,
-    Serve replaces the replica, and a new replica answers."""
+    while it generates. Streams it was generating end with an ``engine_failed`` error event, each
+    request once. (That Serve then replaces the replica is proven on the bed, by the hung engine's
+    test: a CPU engine's start would cost the suite a minute of both cores for nothing more.)"""
     for attempt in (1, 2):
-        replica, results = await kill_the_engine_under_streams(app, one_replica)
+        _, results = await kill_the_engine_under_streams(app, one_replica)
         cut = 0
         for s in results:
             if s.complete:  # generated in full before the kill (delivery can lag generation)
@@ -231,8 +338,6 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_an
         assert attempt == 1, [(s.status, s.events[-1:]) for s in results]
         await single_replica(one_replica)
     print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
-    print(f"answers resumed {await seconds_until_answers_resume(app):.0f} s after the engine died")
-    await wait_until(lambda: left(replica), 60, "the dead engine's replica gone")
     # Each request the dead engine held was answered once (never sent to another replica).
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
     logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
