@@ -39,10 +39,29 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     finish_reasons: tuple[str, ...] = ()
+    empty: str | None = None  # what :func:`empty_kind` found: an answer that ended with nothing in it
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS = "content", "tool_arguments"  # the kinds of empty answer
+
+
+def empty_kind(
+    finish_reasons: tuple[str, ...], wrote_text: bool, called_tool: bool, wrote_arguments: bool
+) -> str | None:
+    """Whether an answer that ended is empty, and how: it stopped (``stop``) with no text and no
+    tool call (:data:`EMPTY_CONTENT`), or it called tools and wrote no arguments for any
+    (:data:`EMPTY_TOOL_ARGUMENTS`; ``{}`` is arguments). The failure users of GLM-4 servers report ("the
+    first request is fine, the rest come back empty") looks like the first. An answer cut by its
+    length, an error or its client is unfinished, not empty. (Per answer, not per choice.)"""
+    if called_tool:
+        return None if wrote_arguments else EMPTY_TOOL_ARGUMENTS
+    if "stop" in finish_reasons and not wrote_text:
+        return EMPTY_CONTENT
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

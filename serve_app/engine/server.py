@@ -35,7 +35,7 @@ from serve_app.engine.stream_transforms import (
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
-from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, is_error_event
+from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, empty_kind, is_error_event
 
 if TYPE_CHECKING:
     from serve_app.simulated_engine.core import SimulatedEngineCore
@@ -278,8 +278,13 @@ def _outcome_of(result: BaseModel) -> Outcome | None:
     usage = getattr(result, "usage", None)
     if usage is None:
         return None
-    reasons = tuple(c.finish_reason for c in getattr(result, "choices", ()) if getattr(c, "finish_reason", None))
-    return Outcome(usage.prompt_tokens, usage.completion_tokens or 0, reasons)
+    choices = getattr(result, "choices", ())
+    reasons = tuple(c.finish_reason for c in choices if getattr(c, "finish_reason", None))
+    messages = [getattr(c, "message", None) for c in choices]
+    texts = [getattr(m, "content", None) for m in messages] + [getattr(c, "text", None) for c in choices]
+    calls = [call for m in messages for call in (getattr(m, "tool_calls", None) or ())]
+    empty = empty_kind(reasons, any(texts), bool(calls), any(call.function.arguments for call in calls))
+    return Outcome(usage.prompt_tokens, usage.completion_tokens or 0, reasons, empty)
 
 
 def _close_engine_span(span: Any, outcome: Outcome | None, ttft_s: float | None) -> None:

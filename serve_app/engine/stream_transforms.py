@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from serve_app.errors import error_body
-from serve_app.protocol import Outcome, is_error_event
+from serve_app.protocol import Outcome, empty_kind, is_error_event
 
 
 class _End:
@@ -111,6 +111,11 @@ def normalize_error_event(chunk: str) -> str:
 _USAGE_CHUNK_MARK = '"choices":[]'  # vLLM's final usage chunk, and no other chunk, has no choices
 _FINISH_MARK = '"finish_reason":"'  # only a choice that finished has a string here (others: null)
 _FINISH_REASON = re.compile(r'"finish_reason":"([a-z_]+)"')
+# A delta's text that is not empty (chat's content, a completion's text), a tool call's start, and
+# arguments that are not empty. (Inside a JSON string a quote is escaped, so these match keys only.)
+_TEXT = re.compile(r'"(?:content|text)":"[^"]')
+_TOOL_CALL_MARK = '"tool_calls":[{'
+_ARGUMENTS = re.compile(r'"arguments":"[^"]')
 
 
 @dataclass
@@ -126,9 +131,17 @@ class OutcomeTap:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    wrote_text: bool = False
+    called_tool: bool = False
+    wrote_arguments: bool = False
 
     async def tap(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
+            if not self.wrote_text and _TEXT.search(chunk):
+                self.wrote_text = True
+            if _TOOL_CALL_MARK in chunk:
+                self.called_tool = True
+                self.wrote_arguments = self.wrote_arguments or _ARGUMENTS.search(chunk) is not None
             if _FINISH_MARK in chunk:
                 self.finish_reasons.extend(_FINISH_REASON.findall(chunk))
             if _USAGE_CHUNK_MARK in chunk and '"usage"' in chunk:
@@ -150,4 +163,6 @@ class OutcomeTap:
         """None until the usage chunk has passed (a stream cut short has none)."""
         if self.prompt_tokens is None:
             return None
-        return Outcome(self.prompt_tokens, self.completion_tokens, tuple(self.finish_reasons))
+        reasons = tuple(self.finish_reasons)
+        empty = empty_kind(reasons, self.wrote_text, self.called_tool, self.wrote_arguments)
+        return Outcome(self.prompt_tokens, self.completion_tokens, reasons, empty)

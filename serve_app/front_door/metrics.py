@@ -22,6 +22,7 @@ from typing import Any
 from serve_app.errors import ENGINE_FAILED
 from serve_app.front_door.record import Phase, RequestRecord
 from serve_app.observability.gauges import KeptGauges, kept_gauges
+from serve_app.protocol import EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS
 from serve_app.serve_internals import start_at_zero
 
 # Names as exported (Ray adds the "ray_" prefix); the dashboard test reads them from here.
@@ -34,6 +35,7 @@ REQUESTS = "glm4_serve_requests"
 REJECTED = "glm4_serve_rejected_requests"
 ABORTED = "glm4_serve_aborted_requests"
 ENGINE_FAILURES = "glm4_serve_engine_failures"
+EMPTY_ANSWERS = "glm4_serve_empty_answers"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
@@ -56,7 +58,7 @@ class ServingMetrics:
     gauges start at 0 for each of ``models`` and keep reporting while idle
     (:mod:`serve_app.observability.gauges`); the counters of events an operator
     alerts on start at 0 (429s and 5xx of each of ``endpoints``, rejections,
-    aborts, engine failures).
+    aborts, engine failures, empty answers).
     """
 
     def __init__(
@@ -106,6 +108,12 @@ class ServingMetrics:
             "Requests whose engine died while generating them; answered with an error, not retried.",
             tag_keys=model,
         )
+        self.empty_answers = Counter(
+            EMPTY_ANSWERS,
+            "Complete answers with nothing in them: ended stop with no text and no tool call"
+            " (kind content), or called tools with no arguments (kind tool_arguments).",
+            tag_keys=("model", "protocol", "kind"),
+        )
         # The gauges are the model's load, whichever protocol brought it: by model only.
         by_model = ("model",)
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=by_model)
@@ -125,6 +133,8 @@ class ServingMetrics:
                 (self.rejected, of_model | {"reason": "rate_limit_exceeded"}),
                 (self.aborted, of_model | {"phase": "waiting"}),
                 (self.aborted, of_model | {"phase": "streaming"}),
+                (self.empty_answers, of_model | {"kind": EMPTY_CONTENT}),
+                (self.empty_answers, of_model | {"kind": EMPTY_TOOL_ARGUMENTS}),
             ]:
                 start_at_zero(counter, tags)
             for endpoint in endpoints:  # the statuses the alerting rules divide by the total
@@ -160,6 +170,8 @@ class ServingMetrics:
         if record.outcome is not None:
             self.prompt_tokens.inc(record.outcome.prompt_tokens, tags=model)
             self.completion_tokens.inc(record.outcome.completion_tokens, tags=model)
+            if record.status == 200 and record.outcome.empty is not None:
+                self.empty_answers.inc(tags=model | {"kind": record.outcome.empty})
         if (ttft := record.ttft_s) is not None:
             self.ttft.observe(ttft, tags=model)
             if (tpot := record.tpot_s) is not None:
@@ -171,7 +183,7 @@ class ServingMetrics:
 def exported_names() -> set[str]:
     """Every sample name these metrics have in Prometheus text, as Ray exports them."""
     histograms = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
-    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED, ENGINE_FAILURES)
+    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED, ENGINE_FAILURES, EMPTY_ANSWERS)
     names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
     names |= {f"ray_{c}_total" for c in counters}
     return names | {f"ray_{QUEUED}", f"ray_{RUNNING}"}

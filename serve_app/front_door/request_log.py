@@ -4,13 +4,17 @@ The line is a JSON object in the message of Ray Serve's replica logger, so it
 lands in the model replica's log (``/tmp/ray/session_latest/logs/serve/`` on
 a local cluster) next to Serve's own access line, and any log shipper can
 parse it. Prompts and completions are left out unless
-``ingress.log_content`` is on: they are the users' data.
+``ingress.log_content`` is on: they are the users' data. Lines of refused requests (a 4xx
+other than 499) are written at a bounded rate (:class:`RefusalBudget`): a flood of requests
+without a key must not turn into a flood of log lines. Their metrics count every one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.front_door.record import RequestRecord
@@ -38,6 +42,8 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
         "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
         "duration_ms": round(duration * 1000, 1) if duration is not None else None,
     }
+    if outcome is not None and outcome.empty is not None:
+        fields["empty"] = outcome.empty  # an answer with nothing in it (docs/observability.md)
     if record.key_id is not None:
         fields["key_id"] = record.key_id
     if record.span is not None and record.span.get_span_context().is_valid:
@@ -48,8 +54,51 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
     return fields
 
 
-def log_request(record: RequestRecord) -> None:
-    logger.info(json.dumps(request_fields(record), separators=(",", ":"), ensure_ascii=False))
+@dataclass
+class RefusalBudget:
+    """A token bucket for refused requests' lines: ``per_s`` a second on average, ``burst`` at once.
+
+    A line past the budget is not written but counted; the next one written says how many were
+    not (``refused_lines_dropped``)."""
+
+    per_s: float = 10.0
+    burst: float = 100.0
+    tokens: float = field(init=False)
+    updated: float = field(default_factory=time.monotonic)
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = self.burst
+
+    def take(self, now: float) -> int | None:
+        """None when this line is over the budget; else how many lines were dropped before it."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.per_s)
+        self.updated = now
+        if self.tokens < 1:
+            self.dropped += 1
+            return None
+        self.tokens -= 1
+        dropped, self.dropped = self.dropped, 0
+        return dropped
+
+
+_REFUSALS = RefusalBudget()  # one per process: a model replica's
+
+
+def is_refusal(status: int | None) -> bool:
+    """A request the front door or its engine refused (its client's doing); 499 is a client that left."""
+    return status is not None and 400 <= status < 500 and status != 499
+
+
+def log_request(record: RequestRecord, refusals: RefusalBudget = _REFUSALS) -> None:
+    fields = request_fields(record)
+    if is_refusal(record.status):
+        dropped = refusals.take(time.monotonic())
+        if dropped is None:
+            return
+        if dropped:
+            fields["refused_lines_dropped"] = dropped
+    logger.info(json.dumps(fields, separators=(",", ":"), ensure_ascii=False))
 
 
 def _request_content(body: dict[str, Any] | None) -> Any:

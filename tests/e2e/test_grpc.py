@@ -28,6 +28,7 @@ from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.bodies import LONG, grpc_chat
 from tests.e2e.harness.grpc_calls import call, channel, ends_once
 from tests.glm4_conversations import TIME_TOOL, WEATHER_TOOL
+from tools.cluster_env import cluster_env
 
 CONCURRENT = 16  # concurrent calls; 64 concurrent exact lengths over HTTP: test_concurrency.py
 TOKENS = 16
@@ -178,6 +179,16 @@ async def test_bad_requests_are_refused_with_the_status_and_the_field(app, stub,
     ends_once(result)
     assert result.final.error.param == param and result.final.error.status == code.value[0]
     assert param.split(".")[0] in result.details
+
+
+async def test_a_message_past_the_body_limit_is_refused_before_the_app_reads_it(app, stub):
+    """Past ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE`` (deploy/cluster.env: the ingress's body limit) the
+    model replica's gRPC server refuses the message itself, RESOURCE_EXHAUSTED, with no response:
+    none of the app's code parsed it."""
+    bound = int(cluster_env()["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"])
+    result = await call(stub.ChatCompletion, grpc_chat(app.model, content="x" * (bound + 1024)))
+    assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (result.code, result.details)
+    assert result.responses == []
 
 
 async def test_health_service_and_reflection(app):

@@ -9,6 +9,7 @@ tests/e2e/test_load.py's burst and abandoned-stream tests.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import uuid
 
@@ -155,3 +156,49 @@ async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(ap
     )
     assert (line["protocol"], line["status"], line["completion_tokens"]) == ("grpc", 200, TOKENS)
     assert final.id == f"chatcmpl-{line['id']}"
+
+
+def end_of_text(app) -> int:
+    """The model's end-of-text token (its generation_config's first eos_token_id)."""
+    eos = json.loads((app.model_path / "generation_config.json").read_text())["eos_token_id"]
+    return eos[0] if isinstance(eos, list) else eos
+
+
+async def test_an_answer_that_stops_before_any_text_is_counted_and_logged_as_empty(app, metrics_url):
+    """The failure "the first request is fine, the rest come back empty", made on purpose: the
+    real engine may only pick its end-of-text token (``allowed_token_ids``), so the answer ends
+    ``stop`` at once. It is a 200, counted in the empty answers (kind ``content``) and its log
+    line says so; an ordinary answer's does not. (Which answers are empty: tests/unit/engine.)"""
+
+    def empty(samples) -> float:
+        return serving(samples, f"{metrics.EMPTY_ANSWERS}_total", app, kind="content")
+
+    before = await asyncio.to_thread(scrape, metrics_url)
+    ids = {kind: f"{kind}-{uuid.uuid4().hex}" for kind in ("empty", "streamed", "ordinary")}
+    forced = chat(app.model, max_tokens=TOKENS, allowed_token_ids=[end_of_text(app)])
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        answers = await asyncio.gather(
+            client.post("/v1/chat/completions", json=forced, headers={"X-Request-Id": ids["empty"]}),
+            client.post(
+                "/v1/chat/completions", json=forced | {"stream": True}, headers={"X-Request-Id": ids["streamed"]}
+            ),
+            client.post("/v1/chat/completions", json=body(app.model), headers={"X-Request-Id": ids["ordinary"]}),
+        )
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    [choice] = answers[0].json()["choices"]
+    assert (choice["finish_reason"], choice["message"]["content"] or "") == ("stop", ""), choice
+
+    await wait_until(  # (earlier tests' empty answers, if any, may be reported into it too: at least)
+        lambda: empty(scrape(metrics_url)) - empty(before) >= 2,
+        60,
+        f"2 empty answers counted in ray_{metrics.EMPTY_ANSWERS}_total",
+        every_s=SCRAPE_EVERY_S,
+    )
+    session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
+
+    async def logged() -> dict | None:  # (a line is written as its request's record ends)
+        lines = await asyncio.to_thread(request_log_lines, session_dir, app.name)
+        return lines if set(ids.values()) <= set(lines) else None
+
+    lines = await wait_until(logged, 30, "the three answers' log lines")
+    assert [lines[ids[kind]].get("empty") for kind in ("empty", "streamed", "ordinary")] == ["content", "content", None]

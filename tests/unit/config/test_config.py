@@ -205,6 +205,15 @@ def test_haproxys_old_processes_keep_every_answer_a_config_allows(config_file):
 
 
 @pytest.mark.parametrize("config_file", SHIPPED)
+def test_a_grpc_message_is_bounded_where_ray_starts_as_an_http_body_is(config_file):
+    """Serve's gRPC servers read messages up to deploy/cluster.env's bound before any of the app's
+    code runs; it is the ingress's largest body, so a gRPC client gets no more than an HTTP one."""
+    bound = int(cluster_env()["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"])
+    for app in yaml.safe_load((DEPLOY / config_file).read_text())["applications"]:
+        assert bound == parse_app_config(app["args"]).ingress.max_request_body_bytes, app["name"]
+
+
+@pytest.mark.parametrize("config_file", SHIPPED)
 def test_haproxy_waits_for_a_direct_streaming_body_as_long_as_the_ingress_waits_for_one(config_file):
     """With direct streaming, HAProxy holds a POST until its body has come, for as long as
     deploy/cluster.env says; a shipped config's slow upload must get the time its

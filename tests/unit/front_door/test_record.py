@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ray.serve.exceptions import BackPressureError
 
 from serve_app.front_door.record import CLIENT_GONE, Phase, RequestRecord
-from serve_app.front_door.request_log import completion_text, request_fields
+from serve_app.front_door.request_log import RefusalBudget, completion_text, log_request, request_fields
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome, Reply
 from tests.unit.front_door.fakes import CHAT, HANG, SHORT, RecordingMetrics, client_for
@@ -108,6 +108,25 @@ def test_the_log_line_has_the_facts_and_no_content_unless_asked(caplog):
     }
     assert line["ttft_ms"] <= line["duration_ms"] and len(line["id"]) == 32
     assert "request" not in line and "completion" not in line and "hi" not in json.dumps(line)
+
+
+def test_refused_requests_lines_are_written_at_a_bounded_rate_and_say_how_many_were_not(caplog):
+    """A flood of refusals (401s) writes its first ``burst`` lines, then ``per_s`` a second; the
+    next line written counts those dropped. Answers and clients that left are always written."""
+    budget = RefusalBudget(per_s=2, burst=3, updated=0.0)
+    assert [budget.take(0.0) for _ in range(5)] == [0, 0, 0, None, None]
+    assert budget.take(0.4) is None  # 0.8 of a line earned
+    assert (budget.take(0.5), budget.take(0.5)) == (3, None)  # one earned: it says 3 were dropped
+
+    refused, answered, left = RequestRecord("chat"), RequestRecord("chat"), RequestRecord("chat")
+    refused.failed(401, "invalid_api_key")
+    answered.status, left.status = 200, CLIENT_GONE
+    budget = RefusalBudget(per_s=0.001, burst=1)
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        for record in (refused, refused, answered, left, refused):
+            log_request(record, budget)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith('{"event":"request"')]
+    assert [line["status"] for line in lines] == [401, 200, CLIENT_GONE]
 
 
 def test_content_logging_shows_the_messages_and_the_completion():
