@@ -32,30 +32,44 @@ def body(model: str, **extra) -> dict:
     return chat(model, TOKENS, content="Count to twenty.", **extra)
 
 
+async def grpc_responses(grpc_channel, request, metadata=()) -> list:
+    """A gRPC chat call's responses, read whole."""
+    return [r async for r in pb_grpc.GenerationStub(grpc_channel).ChatCompletion(request, metadata=metadata)]
+
+
 def serving(samples, name: str, app, **labels: str) -> float:
     """The app's own series of a serving metric (the bed serves a model of the same name)."""
     return total(samples, f"ray_{name}", application=app.name, model=app.model, **labels)
 
 
 async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
-    """The counts grow by exactly what was sent; the gauges come back to 0; vLLM's metrics are there per replica."""
+    """HTTP streams, a whole answer and a gRPC call: the counts grow by exactly what was sent, each
+    under its protocol; the gauges come back to 0; vLLM's metrics are there per replica."""
     before = await settled(metrics_url, f"ray_{metrics.REQUESTS}_total")  # earlier tests' requests all reported
-    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client, channel(app) as grpc_channel:
         streams = [client.post("/v1/chat/completions", json=body(app.model, stream=True)) for _ in range(STREAMS)]
-        responses = await asyncio.gather(*streams, client.post("/v1/chat/completions", json=body(app.model)))
+        grpc_call = grpc_responses(grpc_channel, grpc_chat(app.model, TOKENS, content="Count to twenty."))
+        *responses, grpc_answer = await asyncio.gather(
+            *streams, client.post("/v1/chat/completions", json=body(app.model)), grpc_call
+        )
     assert [r.status_code for r in responses] == [200] * (STREAMS + 1)
+    assert grpc_answer[-1].final and grpc_answer[-1].usage.completion_tokens == TOKENS
     prompt_tokens = responses[-1].json()["usage"]["prompt_tokens"]
 
     def grew_by(samples, name: str, **labels: str) -> float:
         return serving(samples, name, app, **labels) - serving(before, name, app, **labels)
 
+    http, grpc_ = (("protocol", "http"),), (("protocol", "grpc"),)
     expected = {
-        (metrics.TIME_TO_FIRST_TOKEN + "_count", ()): STREAMS,
-        (metrics.TIME_PER_OUTPUT_TOKEN + "_count", ()): STREAMS,
-        (metrics.E2E_LATENCY + "_count", ()): STREAMS + 1,
-        (metrics.COMPLETION_TOKENS + "_total", ()): (STREAMS + 1) * TOKENS,
-        (metrics.PROMPT_TOKENS + "_total", ()): (STREAMS + 1) * prompt_tokens,
-        (metrics.REQUESTS + "_total", (("status", "200"), ("finish_reason", "length"))): STREAMS + 1,
+        (metrics.TIME_TO_FIRST_TOKEN + "_count", http): STREAMS,
+        (metrics.TIME_PER_OUTPUT_TOKEN + "_count", http): STREAMS,
+        (metrics.E2E_LATENCY + "_count", http): STREAMS + 1,
+        (metrics.COMPLETION_TOKENS + "_total", http): (STREAMS + 1) * TOKENS,
+        (metrics.PROMPT_TOKENS + "_total", http): (STREAMS + 1) * prompt_tokens,
+        (metrics.REQUESTS + "_total", (*http, ("status", "200"), ("finish_reason", "length"))): STREAMS + 1,
+        (metrics.REQUESTS + "_total", (*grpc_, ("status", "200"), ("endpoint", "chat"))): 1,
+        (metrics.TIME_TO_FIRST_TOKEN + "_count", grpc_): 1,
+        (metrics.COMPLETION_TOKENS + "_total", grpc_): TOKENS,
     }
 
     def engine_tokens(samples) -> float:  # vLLM's own count of the tokens it generated
@@ -111,35 +125,15 @@ async def test_one_request_gives_front_door_and_engine_spans_in_the_clients_trac
     assert 0 < replica.attributes["llm.time_to_first_token_s"] <= ingress.attributes["llm.time_to_first_token_s"]
 
 
-async def test_a_grpc_call_is_counted_logged_and_traced_as_an_http_request_is(app, metrics_url, otlp_collector):
-    """The same record: counters and histograms under protocol="grpc", the request's log line, and a span
-    in the client's trace (``traceparent`` metadata) with the replica's span under it."""
-    before = await settled(metrics_url, f"ray_{metrics.REQUESTS}_total")
+async def test_a_grpc_call_is_logged_and_traced_as_an_http_request_is(app, otlp_collector):
+    """The same record: the request's log line, and a span in the client's trace (``traceparent``
+    metadata) with the replica's span under it. (Its metrics: the traffic test above.)"""
     trace_id, client_span, request_id = secrets.token_hex(16), secrets.token_hex(8), uuid.uuid4().hex
     metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"), ("request_id", request_id))
-    request = grpc_chat(app.model, TOKENS, content="Count to twenty.")
     async with channel(app) as grpc_channel:
-        responses = [r async for r in pb_grpc.GenerationStub(grpc_channel).ChatCompletion(request, metadata=metadata)]
+        responses = await grpc_responses(grpc_channel, grpc_chat(app.model, TOKENS), metadata)
     final = responses[-1]
     assert final.final and final.usage.completion_tokens == TOKENS
-
-    grpc_labels = {"protocol": "grpc"}
-    expected = {
-        (metrics.REQUESTS + "_total", (("status", "200"), ("endpoint", "chat"))): 1,
-        (metrics.TIME_TO_FIRST_TOKEN + "_count", ()): 1,
-        (metrics.COMPLETION_TOKENS + "_total", ()): TOKENS,
-    }
-
-    def grown(samples, name: str, labels: tuple) -> float:
-        wanted = dict(labels) | grpc_labels
-        return serving(samples, name, app, **wanted) - serving(before, name, app, **wanted)
-
-    def counted():
-        samples = scrape(metrics_url)
-        return samples if all(grown(samples, *key) >= want for key, want in expected.items()) else None
-
-    samples = await wait_until(counted, 60, f"gRPC metrics grow by {expected}", every_s=SCRAPE_EVERY_S)
-    assert {key: grown(samples, *key) for key in expected} == expected
 
     def spans():
         names = {span.name: span for span in otlp_collector.trace(trace_id)}
