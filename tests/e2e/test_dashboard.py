@@ -1,6 +1,6 @@
 """The Grafana dashboard and the alerting rules on a real Prometheus scraping the suite's apps.
 
-Prometheus (Debian's package) scrapes Ray's metrics endpoint every second while traffic
+Prometheus (Debian's package) scrapes Ray's metrics endpoint every 3 s while traffic
 runs: complete streams and abandoned streams (aborts) on the bed, and a burst past the
 small-queue variant's queue while its engine is paused (429s). Then the apps idle for longer than Ray keeps a
 gauge that is not set again (20 s), and every panel query of k8s/monitoring/grafana-dashboard.json is evaluated as
