@@ -275,10 +275,10 @@ async def test_a_replica_process_killed_mid_stream_cuts_the_connection_never_a_c
     print(f"{len(events)} chunks read before the cut; the client's library raised a transport error")
 
 
-async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[str, list[Stream]]:
+async def kill_the_engine_under_streams(app: RunningApp, deployment) -> list[Stream]:
     """Start STREAMS long streams on the CPU app's one replica; SIGKILL its engine-core process
-    once the first chunk arrives; return the replica's actor id and how each stream ended."""
-    ((replica, engines),) = (await asyncio.to_thread(replica_engines, deployment)).items()
+    once the first chunk arrives; return how each stream ended."""
+    (engines,) = (await asyncio.to_thread(replica_engines, deployment)).values()  # its one replica
     assert engines, "no engine process found"
     first_chunk = asyncio.Event()
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
@@ -287,7 +287,7 @@ async def kill_the_engine_under_streams(app: RunningApp, deployment) -> tuple[st
         # That stream has 899 of its 900 tokens to go, unless delivery lags the engine.
         for engine in engines:
             engine.send_signal(signal.SIGKILL)
-        return replica, list(await asyncio.gather(*streams))
+        return list(await asyncio.gather(*streams))
 
 
 async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_replica_serves(bed):
@@ -321,7 +321,7 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_ev
     request once. (That Serve then replaces the replica is proven on the bed, by the hung engine's
     test: a CPU engine's start would cost the suite a minute of both cores for nothing more.)"""
     for attempt in (1, 2):
-        _, results = await kill_the_engine_under_streams(app, one_replica)
+        results = await kill_the_engine_under_streams(app, one_replica)
         cut = 0
         for s in results:
             if s.complete:  # generated in full before the kill (delivery can lag generation)
