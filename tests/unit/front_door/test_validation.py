@@ -189,7 +189,8 @@ def test_parameter_paths_drop_union_branches(loc, param):
 
 
 # Property-based fuzzing: whatever a client sends, the ingress answers 2xx or an
-# OpenAI-shaped 4xx, never a 5xx, and never forwards a request it refused.
+# OpenAI-shaped 4xx, never a 5xx, and never forwards a request it refused. 100 examples: at 400,
+# mostly generating bodies, it took 76 s of the unit tests' run beside the end-to-end suite.
 
 
 def check_answer(response, handle, sent_before: int) -> None:
@@ -200,7 +201,7 @@ def check_answer(response, handle, sent_before: int) -> None:
 
 
 @settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(request=request_bodies())
 def test_fuzzed_bodies_never_get_a_5xx(app, request: tuple[str, bytes]):
