@@ -9,62 +9,21 @@ authentication (tests/e2e/harness/ray_cluster.py), so the app itself is proven t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.repo.k8s_manifests import DOCUMENT_SETS, ROOT, documents, pod_templates, rayservices, worker_groups
+from tests.repo.network_policies import APP_NAMESPACE, Peer, rule_admits, selects
 
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
-APP_NAMESPACE = "glm4-serve"  # the overlays' namespace; the plain base has none
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A pod that opens a connection: its namespace and its labels."""
-
-    namespace: str
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    """Kubernetes' label selector: every matchLabels pair and every matchExpressions term holds."""
-    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
-        return False
-    for term in selector.get("matchExpressions", []):
-        key, operator, values = term["key"], term["operator"], term.get("values", [])
-        holds = {
-            "In": key in labels and labels[key] in values,
-            "NotIn": key not in labels or labels[key] not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[operator]
-        if not holds:
-            return False
-    return True
 
 
 def admits(policy: dict[str, Any], peer: Peer, port: int) -> bool:
     """Whether an ingress NetworkPolicy lets ``peer`` connect to ``port`` (TCP) of the pods it selects."""
     namespace = policy["metadata"].get("namespace", APP_NAMESPACE)
-    for rule in policy["spec"].get("ingress", []):
-        ports = rule.get("ports")
-        if ports and not any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports):
-            continue
-        peers = rule.get("from")
-        if not peers:
-            return True
-        for allowed in peers:
-            assert "ipBlock" not in allowed, "address blocks are not read here"
-            if "namespaceSelector" in allowed:
-                in_namespace = selects(allowed["namespaceSelector"], {"kubernetes.io/metadata.name": peer.namespace})
-            else:
-                in_namespace = peer.namespace == namespace
-            if in_namespace and selects(allowed.get("podSelector", {}), peer.labels):
-                return True
-    return False
+    return any(rule_admits(rule, "from", peer, port, "TCP", namespace) for rule in policy["spec"].get("ingress", []))
 
 
 def network_policy(name: str, policy_name: str = "glm4-serve") -> dict[str, Any]:
@@ -245,7 +204,8 @@ def test_the_hub_token_reaches_only_the_download_job_and_the_weights_only_gpu_wo
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_root_filesystems_are_read_only_and_uids_are_high(name):
     """Every container of ours: read-only root, writes to the pod's /tmp emptyDir (HOME there too),
-    a uid of 10000 or more (one no host account has)."""
+    which has a size limit (past it the pod is evicted, not the node's disk filled), a uid of 10000
+    or more (one no host account has)."""
     docs = documents(name)
     (rayservice,) = rayservices(name)
     specs = [t["spec"] for t in pod_templates(rayservice)]
@@ -259,7 +219,7 @@ def test_root_filesystems_are_read_only_and_uids_are_high(name):
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             assert env["HOME"].startswith("/tmp/")
             (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
-            assert "emptyDir" in volume_sources(spec)[tmp["name"]]
+            assert volume_sources(spec)[tmp["name"]]["emptyDir"]["sizeLimit"]
 
 
 HEAD = RAY_POD | {"ray.io/node-type": "head"}
