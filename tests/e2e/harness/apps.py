@@ -121,7 +121,16 @@ PRODUCTION_DRAIN_S = 30
 # shipped 10 s upscale delay with a 10 s downscale delay (not 60 s) and look-back (Serve's
 # default: 30 s), so that it scales out and back within the test. (At 2 s up and 5 s down over a
 # 5 s look-back it flapped: replicas still starting under load were stopped and started again.)
-AUTOSCALED = {"min_replicas": 1, "initial_replicas": 1, "downscale_delay_s": 10, "look_back_period_s": 10}
+# And a target of 16 ongoing requests per replica, not 48: the same policy at a third of the
+# scale, so that a third of the clients (test_autoscale.py) ask for the same replicas, and the
+# suite's 2 cores spend a third of the HTTP and token work on them.
+AUTOSCALED = {
+    "min_replicas": 1,
+    "initial_replicas": 1,
+    "downscale_delay_s": 10,
+    "look_back_period_s": 10,
+    "target_ongoing_requests": 16,
+}
 # A simulated GPU stepping about four times slower than an H100 (a step of about 27 ms), for the
 # variants whose tests hold many clients streaming for a while, where what is proven does not
 # depend on the pace: every token streamed costs the suite's 2 cores HTTP work. glm-autoscaled:
@@ -165,7 +174,7 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
       test_simulated_engine; a dead engine's replica in test_direct_streaming);
     - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
-      (test_autoscale), with AUTOSCALED's shorter delays and look-back so that it scales out and
+      (test_autoscale), with AUTOSCALED's shorter delays, look-back and smaller target so that it scales out and
       back within the test, and SLOWER_STEPS.
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
