@@ -1,6 +1,6 @@
 """``uv pip`` with the package sources pip is configured with: ``make`` installs the environments with it.
 
-uv resolves and installs in parallel (the app's environment: 23 s where pip took 155 s in a
+uv resolves and installs in parallel (the app's environment: 32 s from a cold cache, where pip took 155 s in a
 clean-clone ``.ci/run``; docs/testing.md), but it reads none of pip's configuration, and a machine
 may point pip at its own indexes, wheel folders, constraints or certificate. This asks the pip of
 the Python that runs it for its settings (``pip config list``: files, then ``PIP_*`` variables) and
