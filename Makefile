@@ -48,10 +48,12 @@ $(PACKAGES): pyproject.toml $(UV)
 	touch $(PACKAGES)
 
 # The bytecode pip would write, on every core, but for the folders no process of the app or the
-# suite imports (COMPILE_SKIP), which Python compiles on first use if one ever does. A file only a
-# newer Python parses (torch has one) is skipped, as pip skips it.
+# suite imports (COMPILE_SKIP), which Python compiles on first use if one ever does; and the app's
+# own package's, which no install writes (where PYTHONDONTWRITEBYTECODE is set, as on the CI machine,
+# every replica, engine and checker process compiled its 60-odd modules again). A file only a newer
+# Python parses (torch has one) is skipped, as pip skips it.
 $(STAMP): $(PACKAGES)
-	$(BIN)/python -m compileall -qq -j 0 -x '$(COMPILE_SKIP)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+	$(BIN)/python -m compileall -qq -j 0 -x '$(COMPILE_SKIP)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" serve_app || true
 	touch $(STAMP)
 
 # requirements/gpu.lock: every dependency of the GPU image (the `gpu` extra, Linux x86-64,

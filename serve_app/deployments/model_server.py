@@ -90,7 +90,7 @@ class ModelServer:
         slots = generation_slots(model, config)
         self.settings = replace(ingress_settings(config, rate_limiter), generation_slots=slots)
         self.readiness = ReadinessWatch(
-            partial(replica_states, context.app_name),
+            partial(replica_states, context.app_name, (model.deployment_name,)),
             {model.name: model.deployment_name},
             max_age_s=config.ingress.health_max_age_s,
         )

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from ray import serve
 
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
@@ -30,6 +29,7 @@ from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import call, channel
 from tests.e2e.harness.serve_state import (
     DeploymentName,
+    applications,
     in_flight,
 )
 from tests.e2e.harness.simulation import SimulatedEngines
@@ -54,8 +54,7 @@ def direct(variants: dict[str, RunningApp]) -> RunningApp:
 
 
 async def test_the_model_replica_is_the_applications_ingress_with_the_picker_beside_it(direct: RunningApp) -> None:
-    status = await asyncio.to_thread(serve.status)
-    deployments = status.applications[NAME].deployments
+    deployments = (await applications())[NAME].deployments
     assert set(deployments) == {MODEL.deployment_name, "ReplicaPicker"}, set(deployments)
 
 

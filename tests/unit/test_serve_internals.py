@@ -77,15 +77,16 @@ def test_ray_exports_metrics_at_the_interval_the_kept_gauges_read() -> None:
     assert serve_internals.metrics_export_interval_s() == max(ray._config.metrics_report_interval_ms(), 1000) / 1000
 
 
-def test_replica_states_read_the_dict_serve_status_parses() -> None:
-    """serve.status() builds its models from the controller's details; replica_states reads the same
-    replicas' states from that dict without building them."""
-    from ray.serve import api
-
-    source = inspect.getsource(api.status)
-    assert "ServeInstanceDetails(**client.get_serve_details())" in source
+def test_replica_states_ask_the_controller_for_one_deployments_details() -> None:
+    """replica_states calls the controller's ``get_deployment_details(app_name, deployment_name)``,
+    which answers that deployment's ``DeploymentDetails`` (its replicas' states among them) or
+    raises KeyError for a deployment it does not know."""
+    from ray.serve._private.controller import ServeController
     from ray.serve.schema import DeploymentDetails, ReplicaDetails
 
+    method = ServeController.get_deployment_details
+    assert list(inspect.signature(method).parameters) == ["self", "app_name", "deployment_name"]
+    assert "list_deployment_details(app_name)[" in inspect.getsource(method)
     assert "replicas" in DeploymentDetails.model_fields and "state" in ReplicaDetails.model_fields
 
 

@@ -13,14 +13,15 @@ import io
 import json
 import pickle
 import uuid
+from collections import Counter
 from collections.abc import Set
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 import yaml
-from ray import serve
 from ray.serve._private.haproxy import HAProxyManager
 from ray.serve.context import _get_global_client
 from ray.util.state import list_actors
@@ -93,12 +94,57 @@ async def serve_deploy_settled(
     await wait_until(lambda: only_these_settled(names, waited), within_s, f"the applications {sorted(waited)} settled")
 
 
+@dataclass(frozen=True)
+class DeploymentStatus:
+    """A deployment as ``serve.status()`` shows it: its status and its replicas counted by state."""
+
+    status: str  # HEALTHY, UPDATING, ...
+    replica_states: dict[str, int]  # RUNNING, STARTING, STOPPING, ... -> how many
+
+
+@dataclass(frozen=True)
+class ApplicationStatus:
+    status: str  # RUNNING, DEPLOYING, ...
+    deployments: dict[str, DeploymentStatus]
+
+
+def _value(field: Any) -> str:
+    """A status or state from the controller's report, an enum member or its value, as its value."""
+    return str(getattr(field, "value", field))
+
+
+def _applications() -> dict[str, ApplicationStatus]:
+    """What ``serve.status()`` says of each application, read from the dict it parses (the
+    controller's report) without building its models: that parse cost the test process 0.4 s of
+    CPU a call with the suite's applications, and the waits below ask several times a second
+    (docs/testing.md). Blocking (one controller call)."""
+    report = _get_global_client().get_serve_details().get("applications") or {}
+    return {
+        name: ApplicationStatus(
+            _value(app.get("status")),
+            {
+                deployment_name: DeploymentStatus(
+                    _value(deployment.get("status")),
+                    dict(Counter(_value(replica["state"]) for replica in deployment.get("replicas") or [])),
+                )
+                for deployment_name, deployment in (app.get("deployments") or {}).items()
+            },
+        )
+        for name, app in report.items()
+    }
+
+
+async def applications() -> dict[str, ApplicationStatus]:
+    """:func:`_applications` from a coroutine."""
+    return await asyncio.to_thread(_applications)
+
+
 async def only_these_settled(app_names: set[str], settled: set[str]) -> bool:
     """Exactly these applications exist, and those in ``settled`` run their deployed config: every
     deployment healthy, its replicas running and none starting or updating (a stopping one gets no
     requests)."""
-    status = await asyncio.to_thread(serve.status)
-    if set(status.applications) != app_names:
+    apps = await applications()
+    if set(apps) != app_names:
         return False
     return all(
         app.status == "RUNNING"
@@ -106,15 +152,14 @@ async def only_these_settled(app_names: set[str], settled: set[str]) -> bool:
             d.status == "HEALTHY" and set(d.replica_states) - {"STOPPING"} == {"RUNNING"}
             for d in app.deployments.values()
         )
-        for name, app in status.applications.items()
+        for name, app in apps.items()
         if name in settled
     )
 
 
-async def deployment_status(deployment: DeploymentName) -> Any:
+async def deployment_status(deployment: DeploymentName) -> DeploymentStatus | None:
     """The deployment's status overview, or None while its application is being (re)built."""
-    status = await asyncio.to_thread(serve.status)
-    application = status.applications.get(deployment.app_name)
+    application = (await applications()).get(deployment.app_name)
     return application.deployments.get(deployment.deployment_name) if application else None
 
 
