@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from itertools import pairwise
 
 import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
 from serve_app.front_door.deadlines import TimeLimits
+from serve_app.front_door.engine_call import RETRY_INTERVAL_S
 from serve_app.front_door.http_app import build_http_app
 from serve_app.front_door.models import ModelCatalog, ModelEntry
 from serve_app.front_door.readiness import Readiness
@@ -355,12 +358,21 @@ def test_a_replica_process_that_died_during_the_call_is_tried_on_one_more_replic
 
 
 def test_a_deployment_with_no_replica_is_tried_until_the_window_ends():
+    """Sent again one retry interval after each refusal while another attempt fits in the window
+    (1.2 s from the first refusal), then answered 503: two or three attempts, however slow the
+    machine, and the answer no sooner than an interval before the window's end."""
     from ray.serve.exceptions import DeploymentUnavailableError
 
-    client, handle = client_for([DeploymentUnavailableError("model-glm")], retry_s=1.2)
+    retry_s = 1.2
+    client, handle = client_for([DeploymentUnavailableError("model-glm")], retry_s=retry_s)
+    tried_at: list[float] = []
+    handle.on_call = lambda: tried_at.append(time.monotonic())  # the event loop's clock
     response = client.post("/v1/chat/completions", json=CHAT)
+    answered_at = time.monotonic()
     assert assert_openai_error(response, 503)["code"] == "unavailable"
-    assert len(handle.payloads) == 3  # at 0, 0.5 and 1.0 s
+    assert 2 <= len(tried_at) <= 1 + int(retry_s / RETRY_INTERVAL_S), tried_at
+    assert all(later - earlier >= RETRY_INTERVAL_S for earlier, later in pairwise(tried_at)), tried_at
+    assert answered_at >= tried_at[0] + retry_s - RETRY_INTERVAL_S
 
 
 @pytest.mark.parametrize(("n", "status"), [(8, 200), (9, 400), (128, 400)])
