@@ -10,6 +10,8 @@ HAProxy asks which replica takes each request, and, when per-key rate limits are
 configured, the :class:`~serve_app.front_door.rate_limits.RateLimiter` every model replica
 asks. Settings are read in :mod:`serve_app.config`, turned into Serve's options in
 :mod:`serve_app.deployments.options`, and act in the deployments.
+
+Runs in the application's build: the Ray task Serve starts for each deploy of a config.
 """
 
 from __future__ import annotations

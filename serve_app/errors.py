@@ -5,6 +5,8 @@ OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``. The
 ``type`` follows the OpenAI API's names for the status, so an SDK raises the
 exception class its users already catch. The gRPC API answers the same cases
 with the status :func:`grpc_status` names.
+
+Runs in each model replica (its front door and its engine) and each ReplicaPicker replica.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ any token) or the first piece of an SSE stream, already framed as
 socket as they are: nothing is re-encoded per token. A stream's last item is its
 :class:`Outcome`, never written to the client; a stream that fails after it
 started ends with an error event (:func:`trailing_error` reads it).
+
+Runs in each model replica: both halves of the replica import it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ streaming is built on it, and Ray marks it internal and unstable. Each touch is 
 function here, named for what it does, so a Ray upgrade has one module to review;
 ``tests/unit/test_serve_internals.py`` fails on any Ray version other than
 :data:`WRITTEN_AGAINST` and checks that every name used here still exists.
+
+Runs in the application's build, each model replica and each ReplicaPicker replica (each function is
+called where its caller runs).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ under Ray. Each such touch is a function here, named for what it does, so a vLLM
 upgrade has one module to review. ``tests/unit/test_vllm_internals.py`` fails on
 any vLLM version other than :data:`WRITTEN_AGAINST` and checks that every
 attribute named here still exists in the installed vLLM.
+
+Runs in each model replica (and its checker process, and vLLM's processes through the GLM-4 plugin),
+and in the application's build (the config's checks).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ starts) and handed, parsed, to every deployment's replicas. :mod:`.app` is the w
 rules across sections; :mod:`.models` and :mod:`.ingress` the two sections; :mod:`.checks` the
 checks against vLLM, the GPU table (:mod:`.accelerators`) and Ray. Nothing here builds a
 deployment: the builders in :mod:`serve_app.deployments` and :mod:`serve_app.app` decide.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
 """
 
 from serve_app.config.app import AppConfig, ConfigError, parse_app_config

@@ -10,6 +10,8 @@ remain.
 Memory is the device total as the driver reports it (``nvidia-smi``, MiB) in GB (10^9 bytes),
 as vLLM's ``gpu_memory_utilization`` takes a share of it. Where Ray's name covers two sizes
 (``A100``, ``V100``), the larger: a config is refused only when it cannot fit.
+
+Runs in the application's build, as the config's checks name a GPU.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ one name) fails at start with a message naming the field, not minutes later
 inside a replica. Deployment options are checked with Ray Serve's own
 ``DeploymentSchema`` and engine arguments against vLLM's own argument classes, so
 both keep vLLM's and Ray's names and meanings.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
 """
 
 from __future__ import annotations

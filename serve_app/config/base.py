@@ -1,4 +1,7 @@
-"""What every section of the serve config's ``args`` shares: strict, frozen models."""
+"""What every section of the serve config's ``args`` shares: strict, frozen models.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
+"""
 
 from __future__ import annotations
 

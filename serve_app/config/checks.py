@@ -1,7 +1,7 @@
 """Checks of a serve config against the libraries it names: vLLM's arguments, the GPU table, Ray's options.
 
-Run where the config is validated (the application's build, and each replica as it reads its
-arguments); none imports vLLM (its argument names are read from its source,
+Runs in the application's build, which validates the config, and in each replica as it reads its
+arguments; none imports vLLM (its argument names are read from its source,
 :mod:`serve_app.vllm_internals`) so the build stays light.
 """
 

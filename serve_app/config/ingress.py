@@ -1,4 +1,7 @@
-"""The ``ingress`` section of a serve config's ``args``: what every model replica's front door holds requests to."""
+"""The ``ingress`` section of a serve config's ``args``: what every model replica's front door holds requests to.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The ``models`` section of a serve config's ``args``: one served model, its engine and its deployment."""
+"""The ``models`` section of a serve config's ``args``: one served model, its engine and its deployment.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
+"""
 
 from __future__ import annotations
 

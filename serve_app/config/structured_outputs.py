@@ -22,6 +22,8 @@ This app runs llguidance (vLLM's ``guidance`` backend) and refuses the others:
   request with a 400 naming the keyword instead of an answer that breaks the schema;
   vLLM's xgrammar path takes ``not`` and an overlapping ``oneOf`` without enforcing them.
 * ``auto`` picks xgrammar whenever xgrammar accepts the schema.
+
+Runs in the application's build, which validates the config; the replicas hold what it validated.
 """
 
 from __future__ import annotations

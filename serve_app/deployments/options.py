@@ -1,4 +1,4 @@
-"""The Serve options of each deployment, decided from the config. Run in the application's build.
+"""The Serve options of each deployment, decided from the config. Runs in the application's build.
 
 The config describes (:mod:`serve_app.config`); this module decides what Serve is given, so a
 reader finds each option where it is set. It imports neither vLLM nor the deployments' classes:

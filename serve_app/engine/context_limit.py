@@ -10,6 +10,8 @@ front door checked its characters).
 The check needs the prompt's token count, known only once vLLM has rendered and
 tokenized it, so it wraps the serving object's own render step: nothing is
 rendered twice.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

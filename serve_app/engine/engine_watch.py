@@ -13,6 +13,8 @@ false. So the watch also reads when the engine last produced output
 (:class:`EngineProgress`, fed by vLLM's stat-logger hook after every engine
 step): holding requests with no output for ``stall_timeout_s`` counts as a
 death, after the requests it holds are given errors.
+
+Runs in each model replica, beside its engine.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ waiting* into one item, and never waits for more: the first token leaves as soon
 as it exists, and under load several tokens share a message.
 :func:`end_on_error_event` makes an error event the stream's last, in the OpenAI
 shape; :class:`OutcomeTap` reads how the stream ended as it passes.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

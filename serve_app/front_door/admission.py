@@ -15,6 +15,8 @@ replica place per engine sequence with its key's rank
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
 ``settings.generation_slots``).
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

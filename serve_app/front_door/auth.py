@@ -10,6 +10,9 @@ what a reload does). ``/health`` stays open for load balancers and probes.
 A presented key is compared with every configured key in constant time (as
 SHA-256 digests, so a key's length leaks nothing either), and no key, presented
 or configured, is ever logged or echoed in an answer.
+
+Runs in each model replica (both doors), and in each ReplicaPicker replica, which checks a key
+before it reads a body.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ which aborts its vLLM request, and the client gets a 504 or, once its stream
 has started, a final error event. The limits come from the config's ``ingress`` section; a
 client may shorten the whole-answer limit for its own request with the
 ``X-Request-Timeout`` header (seconds), never lengthen it.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

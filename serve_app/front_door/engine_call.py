@@ -8,6 +8,8 @@ error event if it fails after it started. (The gRPC service reads the same
 stream through :func:`stream_sse` too.) What is
 sent again, and what is never (:func:`may_have_reached_an_engine`), is decided
 here; what a failure looks like to a client is :func:`replica_failure`.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ The build includes the engine's matcher, so the limit bounds the engine's compil
 grammar the engine could not build (llguidance answers 70,000 optional array items with a
 failed assertion, after which vLLM's engine lets the answer only end: an empty 200) is a 400
 ``invalid_grammar`` naming llguidance's error.
+
+Runs in each model replica; the build itself in its checker process (:mod:`.large_bodies`).
 """
 
 from __future__ import annotations

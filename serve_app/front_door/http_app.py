@@ -11,6 +11,8 @@ its answer.
 API keys are checked before any of that, by :mod:`serve_app.front_door.auth`'s
 middleware; other per-request policies (rate limits, timeouts) belong between
 parsing and routing, in :func:`handle_generation`.
+
+Runs in each model replica, behind Serve's HAProxy.
 """
 
 from __future__ import annotations

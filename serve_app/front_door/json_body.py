@@ -2,6 +2,8 @@
 
 The front door decodes every body here, and the ReplicaPicker (which runs no vLLM code: this
 module imports none) holds a body to the same bounds before it parses one for routing.
+
+Runs in each model replica and in each ReplicaPicker replica.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ vLLM again, so a grammar past its limit costs the replica its limit and little m
 At most :data:`MAX_WAITING` large bodies and :data:`MAX_WAITING_GRAMMARS` grammars are
 checked or waiting per model replica; more are refused with 429, so a flood of them
 holds bounded memory and delays only large bodies and grammars.
+
+Runs in each model replica, and in the checker process each model replica starts.
 """
 
 from __future__ import annotations

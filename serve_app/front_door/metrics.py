@@ -10,6 +10,8 @@ where the client's view is: at the front door, from the moment a request arrives
 to the moment its last byte is written, so they include queueing in Serve's
 router and in the engine. vLLM's own engine metrics (``ray_vllm:*``, one series
 per model replica) come from :mod:`serve_app.engine.server`.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

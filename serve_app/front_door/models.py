@@ -3,6 +3,8 @@
 Pure logic over the models the deployment passed in (in production, one: this replica's
 engine), so it is tested without Ray. Per-request policies (API keys, rate limits, timeouts)
 have their seam in :mod:`serve_app.front_door.admission`, not here.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

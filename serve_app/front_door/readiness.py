@@ -11,6 +11,8 @@ So one task per model replica asks the controller, one call at a time, and
 keeps the answer; ``/health`` reads what it kept, reports its age, and calls a
 model down only when Serve says so or when the controller has not answered for
 ``max_age_s``.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ leaves; in between the handler and the stream relay fill in the model, the
 request id, the outcome the replica reported and any error. When the record
 closes, the same facts become the metrics, the request's log line and its span
 attributes, so the three never disagree.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

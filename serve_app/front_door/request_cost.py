@@ -10,6 +10,8 @@ what such costs depend on from a decoded body (in the large-body checker's proce
 when the body is large), and :func:`check_costs` holds it to the serve config's
 limits (:class:`CostLimits`), each refusal a 400 naming the parameter and the limit.
 docs/api-behaviour.md states every rule.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

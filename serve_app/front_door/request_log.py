@@ -7,6 +7,8 @@ parse it. Prompts and completions are left out unless
 ``ingress.log_content`` is on: they are the users' data. Lines of refused requests (a 4xx
 other than 499) are written at a bounded rate (:class:`RefusalBudget`): a flood of requests
 without a key must not turn into a flood of log lines. Their metrics count every one.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

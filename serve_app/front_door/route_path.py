@@ -5,6 +5,8 @@ Serve passes an application's ``route_prefix`` as the ASGI ``root_path``, and
 ``/glm/v1/chat/completions``. Everything that matches routes by hand (API keys,
 the request record behind metrics, logs and spans) reads :func:`route_path`,
 so none of it silently stops matching under a prefix.
+
+Runs in each model replica, and in each ReplicaPicker replica through :mod:`.auth`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Built once per model replica from the serve config
 (:class:`serve_app.deployments.model_server.ModelServer`) and read by both front doors:
 the HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`).
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

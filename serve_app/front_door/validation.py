@@ -8,6 +8,8 @@ constrained), and ranges are checked late or not at all. Here a body is
 checked as bytes (UTF-8, nesting: :mod:`serve_app.front_door.json_body`), then validated with vLLM's model in strict
 JSON mode (JSON types must match), then against the OpenAI API's documented
 rules. Every failure is a 400 that names the parameter.
+
+Runs in each model replica (and its checker process, for a large body).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ use): concatenating client strings cannot form it, and a request carrying it
 is refused (:func:`find_control_mark`), so clients cannot forge a mark either.
 This module is pure (a tokenizer in, token ids out); :mod:`serve_app.glm4.serving`
 puts it in vLLM's chat rendering.
+
+Runs in each model replica (the front door's checks, vLLM's grammars).
 """
 
 from __future__ import annotations

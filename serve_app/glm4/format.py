@@ -4,6 +4,9 @@ Everything here holds for both checkpoints (``THUDM/glm-4-9b-chat`` and
 ``THUDM/glm-4-9b-chat-hf``). Token ids are looked up by name in the served
 tokenizer, so the tiny test model (whose ids are small) follows the same path
 as the real one (whose ids are in :data:`REAL_STOP_TOKEN_IDS`).
+
+Runs in each model replica, in each ReplicaPicker replica (the chat template it routes by) and in
+the application's build (the config's checks).
 """
 
 from __future__ import annotations

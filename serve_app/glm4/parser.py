@@ -16,6 +16,8 @@ told when the answer is finished). :class:`Glm4Parser` is that parser for GLM-4:
 ``glm4`` so that ``--enable-auto-tool-choice --tool-call-parser glm4`` switches
 vLLM's tool paths on; :func:`serve_app.glm4.serving.configure` then puts
 :class:`Glm4Parser` in place of the parser vLLM composed around it.
+
+Runs in each model replica, inside vLLM's chat serving.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ the checkpoint's own configs say:
 * has its tool calls read in GLM-4's format.
 
 The vLLM internals this needs are reached through :mod:`serve_app.vllm_internals`.
+
+Runs in each model replica, as it builds its engine's serving objects.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ vocabulary matrices in the activations' dtype (bf16). The KV cache (vLLM's
 ``kv_cache_dtype``) holds, per token, a key and a value of 2 x 128 per layer.
 
 Estimates from the shape, not measurements: a GPU run's memory profile replaces them.
+
+Runs in the application's build (the config's checks) and in each model replica with a simulated
+engine (its timing).
 """
 
 from __future__ import annotations

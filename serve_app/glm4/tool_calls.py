@@ -16,6 +16,8 @@ Streaming holds back only what could still change meaning: the first line of a
 turn while it could still become a function's name, a call until its turn ends
 (so malformed JSON can still come back as text), and a tail that could be the
 start of a turn separator. Everything else is released as soon as it arrives.
+
+Runs in each model replica, through :mod:`.parser`.
 """
 
 from __future__ import annotations

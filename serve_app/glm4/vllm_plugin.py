@@ -4,6 +4,9 @@ pyproject.toml's ``vllm.general_plugins`` entry point names it. In grammars, a s
 text is prefixed with GLM-4's control mark, so text a structured output writes is never a
 control token: the front door refuses the mark anywhere in a request's messages, tools and
 structured outputs (:mod:`serve_app.glm4.control_tokens`).
+
+Runs in each process vLLM starts in a model replica: its front end and, with a real engine, the
+engine core.
 """
 
 from __future__ import annotations

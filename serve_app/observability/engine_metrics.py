@@ -7,6 +7,8 @@ Here the logger's gauges set through this process's :class:`KeptGauges`, and
 start at 0 before the engine's first step, as do its prefix-cache counters (a
 hit rate of 0 is a value, not "no data"); the reach into vLLM's metrics is
 :func:`serve_app.vllm_internals.ray_stat_logger`.
+
+Runs in each model replica: vLLM calls its stat loggers after each engine step.
 """
 
 from __future__ import annotations

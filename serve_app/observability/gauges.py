@@ -10,6 +10,8 @@ sets them all again every fifth of the export interval (:func:`refresh_interval_
 daemon thread, for as long as
 the process lives. A replica that is gone stops reporting, and its series age
 out as before.
+
+Runs in each model replica and each ReplicaPicker replica, a daemon thread in each.
 """
 
 from __future__ import annotations

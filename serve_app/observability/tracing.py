@@ -10,6 +10,8 @@ timeouts) and the resource reads ``OTEL_SERVICE_NAME`` and
 The front door continues the client's W3C ``traceparent``; the trace context
 travels to the replica as a small dict argument of the handle call (a Ray actor
 call has no headers). When tracing is off, spans are OpenTelemetry's no-op spans.
+
+Runs in each model replica: the front door opens a request's span, the engine its child.
 """
 
 from __future__ import annotations

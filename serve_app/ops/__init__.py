@@ -1,5 +1,7 @@
 """Commands run beside the application, never inside a Serve replica.
 
+Runs in the pods' hooks, a Kubernetes Job and a shell, as each module says.
+
 - :mod:`.model_download`: fetch the checkpoints a serve config serves (a Kubernetes Job, and
   each worker pod's init container).
 - :mod:`.node_drain`: drain a Ray node before its pod goes (the worker pods' preStop hook).

@@ -7,6 +7,8 @@ hub's token, and their pods wait for the Job's result first (`--wait`, an init c
 cache is the hub's own layout (HF_HOME), which vLLM reads as it would after downloading itself.
 The token, if a checkpoint is gated, is read from the file HF_TOKEN_PATH names (huggingface_hub's
 own variable).
+
+Runs in a Kubernetes Job and each worker pod's init container, never in a Serve replica.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ actor is left on the node, or at the deadline, so an idle pod goes at once::
     python -m serve_app.ops.node_drain --grace-s 950 [--node-id HEX] [--address HOST:PORT]
 
 It talks to Ray with the pod's Ray token (``RAY_AUTH_*``, set by KubeRay).
+
+Runs in each worker pod's preStop hook, beside the pod's Ray node.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ compressed-tensors and safetensors come with vLLM: the versions its loader reads
 A Hub id is downloaded (huggingface_hub's cache, ``HF_HOME``) at ``--revision``, which must be a
 commit: a branch can move, and the checkpoint written would no longer say what it came from.
 ``OUT_DIR/quantised_from.json`` records the source, its revision and the scheme.
+
+Runs in a shell, offline (`make tiny-model` runs it on the tiny model), never in a Serve replica.
 """
 
 from __future__ import annotations

@@ -5,4 +5,7 @@ prefix routing on; Serve builds it in each process that holds a handle to the de
 ReplicaPicker's replicas (:mod:`serve_app.deployments.replica_picker`), and under a bare
 ``serve run``, Serve's proxy. :mod:`.prefix_table` is its rule (pure logic),
 :mod:`.prompt_text` the prompt it keys on, :mod:`.metrics` what it decided.
+
+Runs in each ReplicaPicker replica, and under a bare ``serve run`` also in Serve's proxy, which
+holds a handle to the model deployment.
 """

@@ -2,6 +2,8 @@
 
 Exported by every process the router runs in (the ReplicaPicker's replicas; under a bare
 ``serve run``, Serve's proxy), tagged with the model.
+
+Runs in each ReplicaPicker replica, with the router.
 """
 
 from __future__ import annotations

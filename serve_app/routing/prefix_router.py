@@ -15,6 +15,8 @@ Ray's ``PrefixCacheAffinityRouter`` was not used: it keys on the raw message tex
 (not the rendered template and tools), blocks the event loop on a remote prefix-tree
 actor for every request, and cannot read this app's pickled large requests
 (docs/architecture.md, decision record 11).
+
+Runs in each ReplicaPicker replica (and, under a bare ``serve run``, in Serve's proxy).
 """
 
 from __future__ import annotations

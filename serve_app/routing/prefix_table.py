@@ -26,6 +26,8 @@ stays with its history, also while a sibling that started alike runs there, or i
 turn, whose end the router may not have been told of yet (with direct streaming it never is):
 its blocks may match the previous turn's whole, when the turn adds less than a block, but its
 text differs.
+
+Runs in each ReplicaPicker replica, inside the router.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ which the tokenizer's ``apply_chat_template`` uses.
 The *opening* of a chat is the rendered text through its first user message: every
 later turn of the conversation starts with it. A completion's opening is its first
 ``OPENING_CHARS_OF_A_COMPLETION`` characters.
+
+Runs in each ReplicaPicker replica, inside the router.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ vLLM's metrics, and all of this app. Only token generation is replaced.
   cached prompt blocks by chained hash, least recently used out first, hit counts.
 - :mod:`~serve_app.simulated_engine.core`: the engine-core client ``AsyncLLM``
   talks to: one timer per step, vLLM's output types.
+
+Runs in each model replica whose config sets ``simulated_engine``, in place of vLLM's engine-core
+process.
 """
 
 # Every response's system_fingerprint: a simulated answer is never taken for the model's.

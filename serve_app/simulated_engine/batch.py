@@ -24,6 +24,8 @@ prefilled, and the blocks it computes are cached as they are scheduled.
 Token ids are drawn from the tokenizer's ordinary vocabulary and never equal a
 request's stop tokens by chance; a request that may end early ends with its stop
 token with probability ``stop_probability`` per token.
+
+Runs in each model replica with a simulated engine.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ count of what it holds. They reach a model replica through the cluster's switchb
 never HTTP), followed only by replicas whose model's config has a ``simulated_engine``
 section, which no production config has (a test checks every config the Kubernetes
 manifests carry).
+
+Runs in each model replica with a simulated engine, and in the tests and benchmarks that post
+controls.
 """
 
 from __future__ import annotations

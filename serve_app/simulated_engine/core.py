@@ -15,6 +15,8 @@ pause, pace, death and hang.
 
 vLLM's types are imported here, once, not per step or per token: this module is
 loaded only where an engine runs (a model replica, a benchmark), never by the application's build or the picker.
+
+Runs in each model replica with a simulated engine, on the replica's event loop.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ Simplified here: the cache holds up to the KV cache's size in blocks whatever
 the running sequences use, and only prompt blocks are cached (the simulated
 answers are random tokens, which the next turn's prompt would not tokenize back
 to). Pure logic, tested without vLLM.
+
+Runs in each model replica with a simulated engine.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ per cluster (:data:`NAME` in :data:`NAMESPACE`, no CPU) that a test posts a cont
 one replica by its Ray actor id, and that answers with the engine's state once the replica
 has applied it. Only a Ray client of the cluster (which needs the cluster's token) reaches
 it; no HTTP route leads to it, and a replica of a real engine never starts following it.
+
+Runs in its own detached Ray actor (the class), and in each model replica with a simulated engine
+(its follower).
 """
 
 from __future__ import annotations

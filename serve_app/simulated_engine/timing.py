@@ -15,6 +15,8 @@ faster by quantisation here: an estimate on the safe side.
 
 The defaults (:class:`serve_app.config.SimulatedEngineConfig`) are estimates from
 published figures, not measurements: replace them with a GPU run's.
+
+Runs in each model replica with a simulated engine.
 """
 
 from __future__ import annotations

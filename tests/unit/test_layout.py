@@ -1,4 +1,5 @@
-"""The layout of serve_app: imports point one way, down the layers, and every file stays readable.
+"""The layout of serve_app: imports point one way, down the layers, every file stays readable and
+says where it runs.
 
 Each top-level folder (or module) of ``serve_app`` sits on a layer (docs/architecture.md): a
 module imports only from its own folder or from a lower layer, never from a sibling on its own
@@ -10,6 +11,7 @@ for type checking count: a circle a type checker needs is still a circle a reade
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,6 +28,8 @@ LAYERS: list[set[str]] = [  # bottom first
 ]
 GENERATED = {"generation_pb2.py", "generation_pb2_grpc.py"}
 MAX_LINES = 400
+# How a module's docstring says which process runs it: "Runs in each model replica.", ...
+RUNS_IN = re.compile(r"\bRuns in \S")
 
 
 def layer_of(part: str) -> int:
@@ -108,3 +112,14 @@ def test_every_file_is_one_a_reader_holds_in_one_sitting() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_every_modules_docstring_says_which_process_runs_it() -> None:
+    """A reader learns where code runs from the module itself, not only from the folder's table
+    (docs/architecture.md): every module's docstring has its "Runs in ..." sentence."""
+    silent = sorted(
+        str(path.relative_to(PACKAGE.parent))
+        for path in modules().values()
+        if not RUNS_IN.search(ast.get_docstring(ast.parse(path.read_text())) or "")
+    )
+    assert not silent, "modules whose docstring does not say where they run:\n" + "\n".join(silent)

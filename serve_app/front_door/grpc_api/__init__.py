@@ -3,4 +3,6 @@
 ``generation_pb2*`` are generated (``make proto``); :mod:`.messages` converts
 between its messages and the HTTP API's JSON; :mod:`.service` answers the calls
 in the model replica.
+
+Runs in each model replica, called by Serve's gRPC proxy.
 """

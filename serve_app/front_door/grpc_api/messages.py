@@ -5,6 +5,8 @@ A request message becomes the JSON object the HTTP API would have received
 limits; the stream a replica answers with (SSE events of vLLM's chunks) becomes
 response messages (:class:`ResponseWriter`). Pure functions over messages and
 text: tested without a server.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations

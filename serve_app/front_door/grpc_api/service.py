@@ -20,6 +20,8 @@ The client's deadline is gRPC's own: when it passes, the proxy cancels the call,
 which cancels it here and aborts the request in the engine, as a client that
 leaves does; ``x-request-timeout`` metadata shortens the server's limits as the
 HTTP header does.
+
+Runs in each model replica.
 """
 
 from __future__ import annotations
