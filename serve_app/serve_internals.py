@@ -219,6 +219,17 @@ def own_replica_id() -> ReplicaID | None:
     return None if context is None else context.replica_id
 
 
+def client_control_headers() -> tuple[str, ...]:
+    """The request headers from which Serve's replicas take settings of their own: a client's are
+    ignored (:func:`ignore_client_control_headers`), and k8s/gateway removes them at the edge."""
+    from ray.serve._private.constants import (
+        SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER,
+        SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER,
+    )
+
+    return (SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER, SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER)
+
+
 def ignore_client_control_headers() -> None:
     """This process's Serve replica no longer takes two of its settings from a client's headers.
 

@@ -8,11 +8,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from benchmarks.client import Workload, carries_tokens
 from benchmarks.load import Load, levels_from, parse_args
 from benchmarks.plot import plot_levels
 from benchmarks.records import RequestRecord, percentiles, summarize
+from serve_app.config import parse_app_config
 from serve_app.glm4 import sizing
 from tests.waiting import wait_until_blocking
 
@@ -467,3 +469,22 @@ def test_the_quantised_sizing_estimates_follow_the_engine_arguments():
     w4a16 = estimate(A10G, {"quantization": "compressed-tensors", "kv_cache_dtype": "fp8"}, 2048, W4A16_GB)
     assert w4a16["weights_gb"] == 6.7
     assert w4a16["kv_cache_tokens"] > 10 * estimate(A10G, {}, 2048)["kv_cache_tokens"]
+
+
+def test_the_reloads_benchmark_changes_replicas_beside_args_so_no_replica_is_rebuilt(tmp_path):
+    """Its config is the simulated one with a fixed replica count (valid for the app); each change
+    sets Serve's own override, never ``args``, which would roll every replica over."""
+    from benchmarks.haproxy_reloads import DEPLOYMENT, with_replicas, write_config
+
+    path = tmp_path / "reloads.yaml"
+    write_config(path)
+    config = yaml.safe_load(path.read_text())
+    (app,) = config["applications"]
+    (model,) = parse_app_config(app["args"]).models
+    assert model.deployment["num_replicas"] == 2 and "autoscaling_config" not in model.deployment
+    assert model.simulated_engine is not None and model.simulated_engine.load_s == 0
+    changed = with_replicas(config, 3)
+    (changed_app,) = changed["applications"]
+    assert changed_app["args"] == app["args"]
+    assert changed_app["deployments"] == [{"name": DEPLOYMENT, "num_replicas": 3}]
+    ServeDeploySchema.model_validate(changed)
