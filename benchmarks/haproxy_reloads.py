@@ -5,10 +5,11 @@ old one keeps the connections it holds until they end (or until
 ``RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S``, 1020 s in deploy/cluster.env). So old processes pile up
 while long answers stream and replicas change. This keeps ``--streams`` clients each streaming
 ``--max-tokens``-token answers one after another, scales the model deployment between 2 and 3
-replicas every ``--every-s`` seconds (``--changes`` times, Serve's lightweight update: no
-replica is rebuilt), then lets the last answers end. Meanwhile it samples the HAProxy
-processes on this machine once a second (count, resident memory), and reports their peak, the
-memory per old process, and whether every answer ended complete (``[DONE]``, every token).
+replicas (``--changes`` times, Serve's lightweight update: no replica is rebuilt), each change
+``--every-s`` seconds after the last one's replicas run, then lets the last answers end.
+Meanwhile it samples the HAProxy processes on this machine once a second (count, resident
+memory), and reports their peak, the memory per process, and whether every answer ended
+complete (``[DONE]``, every token).
 
     python -m benchmarks.haproxy_reloads --write-config /tmp/reloads.yaml
     make serve CONFIG=/tmp/reloads.yaml        # in another shell; then, once it answers:
@@ -69,12 +70,14 @@ class Samples:
     counts: list[int] = field(default_factory=list)
     total_mib: list[float] = field(default_factory=list)
     per_process_mib: list[float] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)  # every HAProxy process seen: one more per reload
 
     def take(self) -> int:
         found = []
         for process in psutil.process_iter(["name", "memory_info"]):
             if process.info["name"] == "haproxy" and process.info["memory_info"] is not None:
                 found.append(process.info["memory_info"].rss / 2**20)
+                self.pids.add(process.pid)
         self.counts.append(len(found))
         self.total_mib.append(sum(found))
         self.per_process_mib.extend(found)
@@ -87,7 +90,11 @@ async def sample(samples: Samples, stop: asyncio.Event) -> None:
         await asyncio.sleep(1.0)
 
 
-async def stream_loop(client: httpx.AsyncClient, workload: Workload, until: asyncio.Event) -> list[RequestRecord]:
+async def stream_loop(
+    client: httpx.AsyncClient, workload: Workload, until: asyncio.Event, delay_s: float
+) -> list[RequestRecord]:
+    """Answers one after another from ``delay_s`` on, until ``until`` is set."""
+    await asyncio.sleep(delay_s)
     records = []
     while not until.is_set():
         records.append(await stream_once(client, workload))
@@ -105,15 +112,34 @@ async def run(args: argparse.Namespace) -> None:
         body = ServeDeploySchema.model_validate(with_replicas(config, replicas)).model_dump(exclude_unset=True)
         serve.deploy_applications(body)
 
+    def running() -> int:
+        (app,) = serve.get_serve_details()["applications"].values()
+        return sum(r["state"] == "RUNNING" for r in app["deployments"][DEPLOYMENT]["replicas"])
+
+    async def change_to(replicas: int) -> None:
+        """Deploy the change, then wait until exactly that many replicas run: a replica removed
+        while it still starts changes nothing HAProxy sends to."""
+        await asyncio.to_thread(deploy, replicas)
+        deadline = time.monotonic() + args.change_within_s
+        while await asyncio.to_thread(running) != replicas:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{replicas} replicas did not run within {args.change_within_s:g} s")
+            await asyncio.sleep(1.0)
+
     workload = Workload(MODEL, input_tokens=64, output_tokens=args.max_tokens, endpoint="chat")
     samples, sampling_done, streams_done = Samples(), asyncio.Event(), asyncio.Event()
     sampler = asyncio.create_task(sample(samples, sampling_done))
     async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(None, connect=10)) as client:
-        loops = [asyncio.create_task(stream_loop(client, workload, streams_done)) for _ in range(args.streams)]
+        # Starts spread over --stagger-s, as a service's answers start: each change then finds
+        # streams of every age, held by the HAProxy processes of the changes before.
+        loops = [
+            asyncio.create_task(stream_loop(client, workload, streams_done, i * args.stagger_s / args.streams))
+            for i in range(args.streams)
+        ]
         started = time.monotonic()
         for change in range(args.changes):
             await asyncio.sleep(args.every_s)
-            await asyncio.to_thread(deploy, 3 if change % 2 == 0 else 2)
+            await change_to(3 if change % 2 == 0 else 2)
         streams_done.set()  # no new answers; the ones under way run to their end
         records = [r for loop in await asyncio.gather(*loops) for r in loop]
     ended = time.monotonic() - started
@@ -136,7 +162,8 @@ def report(args: argparse.Namespace, records: list[RequestRecord], samples: Samp
         print(f"  cut: {record.error} after {record.output_tokens} tokens")
     if lasted:
         print(f"an answer lasted {lasted[0]:.0f}-{lasted[-1]:.0f} s; the changes and the answers took {ended_s:.0f} s")
-    print(f"HAProxy processes at once: at most {max(samples.counts)}, at the end {samples.counts[-1]}")
+    seen, peak, last = len(samples.pids), max(samples.counts), samples.counts[-1]
+    print(f"HAProxy processes: {seen} seen, at most {peak} at once, {last} at the end")
     print(f"their resident memory together: at most {max(samples.total_mib):.0f} MiB")
     print(f"one process: {min(samples.per_process_mib):.0f}-{max(samples.per_process_mib):.0f} MiB")
 
@@ -149,8 +176,10 @@ def main() -> None:
     parser.add_argument("--dashboard", default="http://127.0.0.1:8265", help="Ray's dashboard (Serve's REST API)")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=2000)
+    parser.add_argument("--stagger-s", type=float, default=60.0, help="the streams' first answers start over this long")
     parser.add_argument("--changes", type=int, default=8, help="replica changes (2 -> 3 -> 2 ...)")
-    parser.add_argument("--every-s", type=float, default=15.0)
+    parser.add_argument("--every-s", type=float, default=15.0, help="between a change's replicas running and the next")
+    parser.add_argument("--change-within-s", type=float, default=180.0, help="longest wait for a change's replicas")
     parser.add_argument("--settle-s", type=float, default=120.0, help="longest wait for the old processes to go")
     args = parser.parse_args()
     if args.write_config:
