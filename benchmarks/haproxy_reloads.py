@@ -153,10 +153,10 @@ async def run(args: argparse.Namespace) -> None:
 
 def report(args: argparse.Namespace, records: list[RequestRecord], samples: Samples, ended_s: float) -> None:
     complete = [r for r in records if r.ok and r.output_tokens == args.max_tokens]
-    cut = [r for r in records if r not in complete]
+    cut = [r for r in records if not (r.ok and r.output_tokens == args.max_tokens)]
     lasted = sorted(r.e2e_s for r in complete if r.e2e_s is not None)
     streams = f"{args.streams} streams of {args.max_tokens} tokens"
-    print(f"{args.changes} replica changes, every {args.every_s:g} s, {streams}")
+    print(f"{args.changes} replica changes, each {args.every_s:g} s after the last one's replicas ran; {streams}")
     print(f"answers: {len(records)}, complete {len(complete)}, cut or refused {len(cut)}")
     for record in cut[:5]:
         print(f"  cut: {record.error} after {record.output_tokens} tokens")
