@@ -23,7 +23,7 @@ from ray import serve
 from ray.serve import Application, Deployment
 
 from serve_app.config import parse_app_config
-from serve_app.deployments.options import MODEL_SERVER, model_server_options, picker_options
+from serve_app.deployments.options import MODEL_SERVER, model_server_options, picker_options, rate_limiter_options
 from serve_app.deployments.rate_limiter import RateLimiter
 from serve_app.deployments.replica_picker import ReplicaPicker
 from serve_app.serve_internals import haproxy_deregistration_s, haproxy_enabled, with_ingress_request_router
@@ -49,7 +49,7 @@ def build_app(args: dict[str, Any]) -> Application:
     limits = config.ingress.rate_limits
     rate_limiter = None
     if limits is not None:
-        rate_limiter = deployment(RateLimiter).options(name="rate-limiter", **limits.deployment).bind(limits)
+        rate_limiter = deployment(RateLimiter).options(**rate_limiter_options(limits)).bind(limits)
     (model,) = config.models
     if config.ingress.applies_fair_share:
         model = model.with_priority_scheduling()

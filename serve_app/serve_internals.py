@@ -16,6 +16,7 @@ called where its caller runs).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ ROUTE_PATH = "/internal/route"
 # Set on that request when HAProxy's buffer cut the body (its value: "<sent>/<whole length>").
 BODY_TRUNCATED_HEADER = "x-body-truncated"
 REQUEST_HEADERS_FIELD = "request_headers"
+# Ray's request router that sends every call with one session id to the same replica (consistent
+# hashing over the running replicas; experimental in Ray 2.60): the RateLimiter's, keyed by API key.
+CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"
 # A routing-only keyword (never sent to a replica): the replica the ReplicaPicker named for a
 # request another replica received (:func:`picked_replica`).
 PICKED_REPLICA = "_picked_replica"
@@ -154,6 +158,25 @@ async def pick_replica(handle: DeploymentHandle, *routing_args: Any) -> ReplicaE
         raise RuntimeError(f"replica {replica.replica_id} has no HTTP server of its own")
     host, port = endpoint
     return ReplicaEndpoint(host, port, replica.replica_id.to_full_id_str())
+
+
+def any_replica(handle: DeploymentHandle) -> ReplicaEndpoint | None:
+    """A replica of the deployment at random from the list its request router holds, with no
+    routing pass (no queue-length probe, nothing recorded): for a request any replica answers
+    alike. None until the handle's router holds a replica with an HTTP server of its own."""
+    router = handle._router
+    request_router = router._asyncio_router.request_router if router is not None else None
+    if request_router is None:
+        return None
+    endpoints = [
+        (replica.backend_http_endpoint, replica.replica_id)
+        for replica in list(request_router.curr_replicas.values())
+        if replica.backend_http_endpoint is not None
+    ]
+    if not endpoints:
+        return None
+    (host, port), replica_id = random.choice(endpoints)
+    return ReplicaEndpoint(host, port, replica_id.to_full_id_str())
 
 
 async def pick_replica_id(handle: DeploymentHandle, *routing_args: Any) -> str:

@@ -78,7 +78,9 @@ class RateLimitsConfig(StrictModel):
     )
     deployment: dict[str, Any] = Field(
         default_factory=dict,
-        description="Serve options of the one-replica deployment that keeps the counts (e.g. ray_actor_options).",
+        description="Serve options of the RateLimiter deployment that keeps the counts (num_replicas, default "
+        "2; ray_actor_options). Each API key's counts live in one of its replicas, picked by hashing the key "
+        "(Ray's ConsistentHashRouter); when that replica goes, the key's counts start afresh in the next one.",
     )
 
     @model_validator(mode="after")
@@ -91,9 +93,8 @@ class RateLimitsConfig(StrictModel):
     @classmethod
     def _deployment_is_valid(cls, value: dict[str, Any]) -> dict[str, Any]:
         value = validate_deployment_options(value)
-        for option in ("num_replicas", "autoscaling_config"):
-            if option in value:
-                raise ValueError(f"{option} cannot be set: one replica keeps every key's counts")
+        if "autoscaling_config" in value:
+            raise ValueError("autoscaling_config cannot be set: each replica keeps its keys' counts, set num_replicas")
         return value
 
 

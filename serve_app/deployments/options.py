@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import ModelConfig
+from serve_app.config import ModelConfig, RateLimitsConfig
+from serve_app.serve_internals import CONSISTENT_HASH_ROUTER
 
 # The classes Serve imports in the processes that run them.
 MODEL_SERVER = "serve_app.deployments.model_server.ModelServer"
@@ -21,6 +22,8 @@ MODEL_HEALTH_CHECKS: dict[str, Any] = {"health_check_period_s": 2, "health_check
 DIRECT_REQUESTS_HEADROOM = 64
 # Past its drain, how long Serve lets a stopping ReplicaPicker close before killing it.
 PICKER_STOP_MARGIN_S = 5.0
+# Replicas of the RateLimiter unless the config says otherwise: one may die while the other answers.
+LIMITER_REPLICAS = 2
 
 
 def prefix_router_config(model: ModelConfig) -> dict[str, Any]:
@@ -71,7 +74,24 @@ def model_server_options(model: ModelConfig, longest_answer_s: float | None = No
 
 
 def picker_options(drain_s: float) -> dict[str, Any]:
-    """A ReplicaPicker Serve stops keeps answering as long as a model replica would (Serve drains
-    only the ingress's replicas): an HAProxy process of the configuration before still sends
-    the requests of its open keep-alive connections to it (docs/operations.md)."""
+    """The ReplicaPicker's options with HAProxy. Serve pins its replicas to the nodes that run a
+    proxy, ``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE`` on each (deploy/cluster.env: two),
+    whatever ``num_replicas`` says, and each node's HAProxy asks its own. A ReplicaPicker Serve
+    stops keeps answering as long as a model replica would (Serve drains only the ingress's
+    replicas): an HAProxy process of the configuration before still sends the requests of its
+    open keep-alive connections to it (docs/operations.md). (Without HAProxy, a bare ``serve
+    run``, it is a one-replica deployment: a model replica that cannot ask it answers itself.)
+    """
     return {"graceful_shutdown_wait_loop_s": drain_s, "graceful_shutdown_timeout_s": drain_s + PICKER_STOP_MARGIN_S}
+
+
+def rate_limiter_options(limits: RateLimitsConfig) -> dict[str, Any]:
+    """The RateLimiter's options: ``rate_limits.deployment`` over two replicas, each API key's calls
+    sent to one of them by Ray's consistent-hash router (the front door names the key as the call's
+    session id), so that each key's counts live in one place. With no fallback replica: a key's
+    calls never split between two sets of counts; while its replica is gone, the front door's calls
+    fail and it admits as it does when the limiter cannot be reached
+    (:mod:`serve_app.front_door.rate_limits`), until Serve's next list of replicas moves the key."""
+    router = {"request_router_class": CONSISTENT_HASH_ROUTER, "request_router_kwargs": {"num_fallback_replicas": 0}}
+    options = {"name": "rate-limiter", "num_replicas": LIMITER_REPLICAS, "request_router_config": router}
+    return options | limits.deployment

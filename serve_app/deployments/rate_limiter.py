@@ -1,11 +1,13 @@
-"""RateLimiter: the deployment that holds every API key's counts. Runs in its own replica.
+"""RateLimiter: the deployment that holds every API key's counts. Runs in its own replicas.
 
 Every model replica's front door asks it once per request, before the engine (the design of
 Envoy's global rate limit service), and reports the tokens an answer used when it ends
 (:mod:`serve_app.front_door.rate_limits`, which also says what happens when it cannot be
-reached). Counts kept in one place make several replicas together enforce exactly the
-configured rate, at the cost of one actor call (about a millisecond) per request, paid only
-when limits are configured.
+reached). Each key's calls all go to one replica (Ray's consistent-hash router, keyed by the
+key: :func:`serve_app.deployments.options.rate_limiter_options`), so each key's counts are kept
+in one place and several model replicas together enforce exactly the configured rate, at the
+cost of one actor call (about a millisecond) per request, paid only when limits are configured.
+When a replica goes, its keys' calls move to another, where their counts start afresh.
 
 Each limit is a token bucket holding one minute's worth and refilled continuously: a key may
 burst up to its limit, then sustain it. Tokens are charged after the answer (they are not
@@ -122,7 +124,8 @@ class RateLedger:
 
 
 @serve.deployment(
-    num_replicas=1,  # the counts live in one place; Serve restarts it if it dies (counts start afresh)
+    # (replicas and router: deployments.options.rate_limiter_options; each key's counts live in one
+    # replica, and start afresh in another when it goes)
     max_ongoing_requests=10_000,  # each call is a few microseconds of arithmetic
     ray_actor_options={"num_cpus": 0},
 )

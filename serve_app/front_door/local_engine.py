@@ -12,6 +12,7 @@ Runs in each model replica.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +22,8 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.front_door.engine_call import AnswerStream
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.serve_internals import picked_replica
+
+logger = logging.getLogger("ray.serve")
 
 GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[Answer, None]]
 
@@ -70,7 +73,8 @@ class RoutedAnswer:
 
     Under a bare ``serve run`` (no HAProxy) Serve's Python proxy picks the replica by load: its
     router cannot read the prompt in an HTTP request. The replica that received the request asks
-    the picker once it is parsed (docs/architecture.md, record 20).
+    the picker once it is parsed (docs/architecture.md, record 20), and answers it itself when the
+    picker cannot be asked (its replica died): a picker's death costs no request its answer.
     """
 
     def __init__(
@@ -96,7 +100,11 @@ class RoutedAnswer:
     async def __anext__(self) -> Answer:
         if self._answer is not None:
             return await anext(self._answer)
-        picked = await self._route.picker.pick.remote(self._method, self._payload)
+        try:
+            picked = await self._route.picker.pick.remote(self._method, self._payload)
+        except Exception as exc:  # the picker died or cannot answer: load already chose this replica
+            logger.warning("the ReplicaPicker could not be asked (%s); answering here", type(exc).__name__)
+            picked = self._route.this_replica
         if picked == self._route.this_replica:
             self._answer = self._here()
             return await anext(self._answer)

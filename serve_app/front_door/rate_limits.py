@@ -1,9 +1,9 @@
 """Per-API-key limits, the front door's side: ask the RateLimiter before a request, report after it.
 
 The counts live in one deployment (:class:`serve_app.deployments.rate_limiter.RateLimiter`,
-shared by every model replica). A key's requests under way at once are leases: the front door
-takes one as it admits a request and gives it back when the request's record ends (every
-request ends one, whatever became of it).
+shared by every model replica; each key's in one of its replicas). A key's requests under way
+at once are leases: the front door takes one as it admits a request and gives it back when the
+request's record ends (every request ends one, whatever became of it).
 
 If the limiter cannot be reached, the request and token rates are not checked
 and a warning is logged: an outage of the bookkeeping must not become an outage
@@ -60,7 +60,12 @@ class RemoteMethod(Protocol):
 
 
 class LimiterHandle(Protocol):
-    """What the front door calls on the RateLimiter deployment (a Serve handle to it, in production)."""
+    """What the front door calls on the RateLimiter deployment (a Serve handle to it, in production).
+
+    Every call names its key as the call's session id (:meth:`options`): the limiter's router sends
+    each key's calls to the one replica that keeps its counts."""
+
+    def options(self, *, session_id: str) -> LimiterHandle: ...
 
     @property
     def admit(self) -> RemoteMethod: ...
@@ -91,7 +96,7 @@ class KeyLimits:
         """The request's lease if ``key_id`` may send one now (None without a concurrency limit);
         raise the 429 otherwise. Give the lease back with :meth:`ended`."""
         lease_id = uuid.uuid4().hex if self.max_concurrent is not None else None
-        response = self.limiter.admit.remote(key_id, lease_id, self.lease_s)
+        response = self.limiter.options(session_id=key_id).admit.remote(key_id, lease_id, self.lease_s)
         try:
             decision = await asyncio.wait_for(_result(response), LIMITER_TIMEOUT_S)
         except Exception as exc:  # see the module's docstring
@@ -129,15 +134,16 @@ class KeyLimits:
         if tokens > 0:
             self._call("charge", key_id, tokens)
 
-    def _call(self, method: str, *args: Any) -> None:
-        """Call the limiter's ``method`` in the background (nothing waits for it)."""
-        task = asyncio.get_running_loop().create_task(self._send(method, *args))
+    def _call(self, method: str, key_id: str, *args: Any) -> None:
+        """Call the limiter's ``method`` for ``key_id`` in the background (nothing waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._send(method, key_id, *args))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _send(self, method: str, *args: Any) -> None:
+    async def _send(self, method: str, key_id: str, *args: Any) -> None:
         try:
-            await asyncio.wait_for(_result(getattr(self.limiter, method).remote(*args)), LIMITER_TIMEOUT_S)
+            limiter = self.limiter.options(session_id=key_id)
+            await asyncio.wait_for(_result(getattr(limiter, method).remote(key_id, *args)), LIMITER_TIMEOUT_S)
         except Exception as exc:
             logger.warning("could not %s at the rate limiter (%s)", method, type(exc).__name__)
 

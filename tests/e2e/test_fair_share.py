@@ -110,7 +110,7 @@ async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_with
     before = set(await bed.engines.replicas())
     config = yaml.safe_load(bed.app.config_path.read_text())
     ingress = application(config, bed.app.name)["args"]["ingress"]
-    ingress["rate_limits"]["deployment"] = {"ray_actor_options": {"resources": {"nowhere": 1}}}
+    ingress["rate_limits"]["deployment"] |= {"ray_actor_options": {"resources": {"nowhere": 1}}}
     unplaceable = tmp_path / "limiter-unplaceable.yaml"
     unplaceable.write_text(yaml.safe_dump(config, sort_keys=False))
     # The application is this test's own: it stays so (no test uses it after).

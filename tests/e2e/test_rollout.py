@@ -185,13 +185,21 @@ async def _replacing(handle) -> bool:
 
 
 async def test_two_replicas_answering_clients_together_enforce_each_keys_rate_limits(variants):
-    """Two model replicas answer clients, each its own front door, and a key's limits hold across both."""
+    """Two model replicas answer clients, each its own front door, and a key's limits hold across both,
+    kept by the RateLimiter's two replicas (the shipped default): each key's calls all reach one of
+    them (calls spread over both would admit up to twice the limit)."""
     limited = await ready_bed(variants["glm-rate-limited"], replicas=2)
     app, answering = limited.app, limited.model
+    limiter = DeploymentName(app.name, "rate-limiter")
+    await wait_until(lambda: _exactly_running(limiter, 2), 60, "the limiter's two replicas running")
     assert await _accepts(app.url, LIMITED_KEYS[0])
 
     await _check_requests_per_minute(app, answering)
     await _check_tokens_per_minute(app)
+
+
+async def _exactly_running(deployment: DeploymentName, count: int) -> bool:
+    return await replica_states(deployment) == {"RUNNING": count}
 
 
 async def _check_requests_per_minute(app, answering: DeploymentName) -> None:

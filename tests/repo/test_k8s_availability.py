@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from serve_app.config import parse_app_config
-from serve_app.deployments.options import model_options
+from serve_app.deployments.options import model_options, picker_options, rate_limiter_options
 from tests.repo.k8s_manifests import DOCUMENT_SETS, app_args, documents, rayservices, worker_groups
 
 PRODUCTION_SETS = ["base", "production", "production-incremental"]
@@ -76,8 +76,9 @@ def test_single_gpu_says_what_it_gives_up():
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)
 def test_a_gpu_worker_offers_ray_only_its_model_replicas_cpus(name):
-    """No other replica (the picker, the rate limiter) fits beside a model replica, so none keeps a
-    GPU pod alive; those run on the CPU group."""
+    """No other replica that asks for CPU (the rate limiter) fits beside a model replica, so none
+    keeps a GPU pod alive; it runs on the CPU group. (The pickers ask for none: Serve pins them
+    to every node with a proxy.)"""
     (rayservice,) = rayservices(name)
     config = parse_app_config(app_args(rayservice))
     (model,) = config.models
@@ -88,6 +89,25 @@ def test_a_gpu_worker_offers_ray_only_its_model_replicas_cpus(name):
     assert float(container["resources"]["limits"]["cpu"]) >= logical_cpus(groups["cpu"])
     # Proxies run where replicas run (and never hold a node: they ask for no CPU).
     assert yaml.safe_load(rayservice["spec"]["serveConfigV2"])["proxy_location"] == "EveryNode"
+
+
+@pytest.mark.parametrize("name", DOCUMENT_SETS)
+def test_the_limiter_runs_two_replicas_on_the_cpu_workers_never_the_head(name):
+    """Two, so one's death leaves the other answering; each asks Ray for CPU, so the head (started
+    with num-cpus 0) never takes one, nor does a GPU worker (its CPUs are its model replica's:
+    above); and both fit one CPU worker, so one CPU pod's loss leaves room. (The pickers ask for
+    none: Serve pins them to every node that runs a proxy, the head and the GPU workers included,
+    two on each: deploy/cluster.env.)"""
+    (rayservice,) = rayservices(name)
+    config = parse_app_config(app_args(rayservice))
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert config.ingress.rate_limits is not None
+    options = rate_limiter_options(config.ingress.rate_limits)
+    cpus = options["ray_actor_options"]["num_cpus"]
+    assert options["num_replicas"] >= 2 and cpus > 0, options
+    assert options["num_replicas"] * cpus <= logical_cpus(worker_groups(rayservice)["cpu"])
+    assert "ray_actor_options" not in picker_options(drain_s=1.0)
 
 
 @pytest.mark.parametrize("name", PRODUCTION_SETS)

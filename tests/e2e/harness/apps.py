@@ -164,7 +164,7 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
 
     - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share);
     - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
-      rate limiter (test_fair_share);
+      rate limiter, one replica of it (test_fair_share);
     - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
     - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain and SLOWER_STEPS, which
@@ -179,7 +179,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
-    limited["args"]["ingress"]["rate_limits"] = {"max_concurrent_requests": 2}
+    # (one limiter replica: its test needs no second, which tests/e2e/test_rollout.py proves on glm-rate-limited)
+    limited["args"]["ingress"]["rate_limits"] = {"max_concurrent_requests": 2, "deployment": {"num_replicas": 1}}
     rate_limited = with_keys(variant("glm-rate-limited", "/rate-limited"), workdir / "rate-keys", LIMITED_KEYS)
     rate_limited["args"]["ingress"]["rate_limits"] = {
         "requests_per_minute": REQUESTS_PER_MINUTE,

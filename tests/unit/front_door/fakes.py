@@ -158,6 +158,8 @@ class LedgerHandle:
     def __init__(self, ledger: RateLedger | None = None, fail: BaseException | None = None):
         self.ledger, self.fail, self.now = ledger, fail, 0.0
         self.charged: list[tuple[str, int]] = []
+        self.sessions: list[tuple[str, str, str]] = []  # (session id, method, key id) of each call
+        self.session_id = ""
         handle = self
 
         class Call:
@@ -165,9 +167,14 @@ class LedgerHandle:
                 self.name = name
 
             def remote(self, *args: Any) -> Any:
+                handle.sessions.append((handle.session_id, self.name, args[0]))
                 return handle.call(self.name, *args)
 
         self.admit, self.charge, self.release = Call("admit"), Call("charge"), Call("release")
+
+    def options(self, *, session_id: str) -> LedgerHandle:
+        self.session_id = session_id  # (the calls that follow are sent at once, as a handle's)
+        return self
 
     def call(self, name: str, *args: Any) -> Any:
         handle = self

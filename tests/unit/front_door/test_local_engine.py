@@ -19,7 +19,7 @@ from serve_app.errors import APIError
 from serve_app.front_door.auth import APIKeyMiddleware, APIKeys
 from serve_app.front_door.capacity import FairShare, GenerationCapacity, GenerationSlots
 from serve_app.front_door.deadlines import DeadlineExceeded, next_before
-from serve_app.front_door.local_engine import LocalModel
+from serve_app.front_door.local_engine import LocalModel, PrefixRoute, RoutedAnswer
 from serve_app.front_door.record import ObserveRequests, RequestRecord
 from serve_app.protocol import Reply
 from tests.waiting import wait_until
@@ -248,3 +248,21 @@ def test_a_keys_sequences_count_toward_its_rank_and_its_share() -> None:
                 other.grow_to(2)  # a key holding nothing takes its part of the kept places (4 // 2)
                 assert slots.held == 8
     assert slots.held == 0 and slots.by_key == {}
+
+
+async def test_under_a_bare_serve_run_a_replica_answers_itself_when_the_picker_cannot_be_asked() -> None:
+    """The picker's replica died (its call raises): the request is answered here, where Serve's
+    proxy sent it by load, not failed."""
+
+    class GonePicker:
+        class pick:
+            @staticmethod
+            async def remote(*args: Any) -> str:
+                raise ConnectionError("the picker's replica died")
+
+    async def here() -> AsyncGenerator[str, None]:
+        yield "answered here"
+
+    route = PrefixRoute(cast(Any, GonePicker()), "this replica")
+    answer = RoutedAnswer(route, "chat", cast(Any, None), cast(Any, None), None, cast(Any, here))
+    assert [chunk async for chunk in answer] == ["answered here"]

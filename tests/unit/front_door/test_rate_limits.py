@@ -144,6 +144,26 @@ async def test_concurrent_requests_are_counted_at_the_limiter_and_given_back_the
     assert await limits.admit("a") is not None
 
 
+async def test_every_call_names_its_key_as_the_session_the_limiters_router_keeps_together():
+    """Ray's consistent-hash router sends calls of one session id to one limiter replica: each key's
+    admissions, charges and releases must carry the key, or its counts would split."""
+    limiter = LedgerHandle(RateLedger(requests_per_minute=10, tokens_per_minute=100, max_concurrent=2))
+    limits = KeyLimits(limiter, counts_tokens=True, max_concurrent=2, lease_s=30.0)
+    leases = [await limits.admit("a"), await limits.admit("b")]
+    limits.charge("a", 7)
+    for lease in leases:
+        assert lease is not None
+        limits.ended(lease)
+    await asyncio.gather(*limits._calls)
+    assert sorted(limiter.sessions) == [
+        ("a", "admit", "a"),
+        ("a", "charge", "a"),
+        ("a", "release", "a"),
+        ("b", "admit", "b"),
+        ("b", "release", "b"),
+    ]
+
+
 async def test_while_the_limiter_is_unreachable_each_replica_holds_a_key_to_the_limit_itself():
     limits = KeyLimits(LedgerHandle(fail=ConnectionError("gone")), counts_tokens=False, max_concurrent=2)
     leases = [await limits.admit("a"), await limits.admit("a")]
@@ -252,5 +272,6 @@ def test_rate_limits_need_api_keys_and_at_least_one_limit():
         config_with({"rate_limits": {"requests_per_minute": 5}})
     with pytest.raises(ConfigError, match="requests_per_minute, tokens_per_minute, max_concurrent_requests or several"):
         config_with({"api_keys": keys, "rate_limits": {}})
-    with pytest.raises(ConfigError, match="one replica keeps"):
-        config_with({"api_keys": keys, "rate_limits": {"tokens_per_minute": 5, "deployment": {"num_replicas": 2}}})
+    with pytest.raises(ConfigError, match="set num_replicas"):
+        scaled = {"tokens_per_minute": 5, "deployment": {"autoscaling_config": {}}}
+        config_with({"api_keys": keys, "rate_limits": scaled})
