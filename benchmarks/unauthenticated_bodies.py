@@ -3,8 +3,10 @@
 Sends a short keyed chat one at a time, first alone, then while ``--loops`` clients each post a
 body of ``--body-bytes`` without a key (empty JSON arrays, the costliest bytes to parse), again
 as soon as the last is answered, in turn to the chat endpoint (401) and to a path that does not
-exist (404). Reports the keyed chat's latency both ways, and the CPU seconds the picker's
-processes (read from the OS, on this machine) spent per body sent without a key.
+exist (404). Reports the keyed chat's latency both ways, and the CPU seconds the pickers'
+processes (read from the OS, on this machine) spent per body sent without a key: their CPU
+during the bodies, less what they spend idle (measured first, ``--idle-s``) and on the keyed
+chats (measured while those ran alone).
 
     python -m benchmarks.unauthenticated_bodies --url http://127.0.0.1:8000 --key sk-...
 
@@ -84,6 +86,30 @@ def figures(took: list[float]) -> dict[str, float]:
     }
 
 
+class PickerCPU:
+    """The pickers' CPU seconds and the wall seconds since the last reading."""
+
+    def __init__(self, processes: list[psutil.Process]) -> None:
+        self.processes = processes
+        self.cpu, self.at = cpu_s(processes), time.monotonic()
+
+    def since(self) -> tuple[float, float]:
+        cpu, at = cpu_s(self.processes), time.monotonic()
+        spent = (cpu - self.cpu, at - self.at)
+        self.cpu, self.at = cpu, at
+        return spent
+
+
+def net_cpu_per_body(
+    idle: tuple[float, float], alone: tuple[float, float], loaded: tuple[float, float], bodies: int
+) -> float:
+    """CPU seconds per body: the loaded phase's (cpu, wall) less idling for its wall time and the
+    keyed chats' own cost (the alone phase's, less its idling)."""
+    idle_rate = idle[0] / idle[1]
+    keyed = alone[0] - idle_rate * alone[1]
+    return (loaded[0] - idle_rate * loaded[1] - keyed) / max(bodies, 1)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     pickers = picker_processes()
     if not pickers:
@@ -91,24 +117,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     body = b'{"metadata": [' + b"[]," * (args.body_bytes // 3) + b"[]]}"
     async with httpx.AsyncClient(base_url=args.url, timeout=60) as client:
         await keyed_latencies(client, args.model, args.key, 3)  # warm
+        meter = PickerCPU(pickers)
+        await asyncio.sleep(args.idle_s)
+        idle = meter.since()
         alone = await keyed_latencies(client, args.model, args.key, args.requests)
+        alone_cpu = meter.since()
         statuses: dict[Any, int] = {}
         stop = asyncio.Event()
-        cpu_before = cpu_s(pickers)
         senders = [asyncio.create_task(send_unkeyed(args.url, body, stop, statuses)) for _ in range(args.loops)]
         await asyncio.sleep(1)  # the loops under way
         loaded = await keyed_latencies(client, args.model, args.key, args.requests)
         stop.set()
         await asyncio.gather(*senders)
-        picker_cpu = cpu_s(pickers) - cpu_before
+        loaded_cpu = meter.since()
     sent = sum(statuses.values())
     return {
         "body_bytes": len(body),
         "loops": args.loops,
+        "pickers": len(pickers),
         "keyed_chat_alone": figures(alone),
         "keyed_chat_beside_unkeyed_bodies": figures(loaded),
         "unkeyed_bodies_answered": statuses,
-        "picker_cpu_ms_per_unkeyed_body": round(1000 * picker_cpu / max(sent, 1), 3),
+        "picker_idle_cpu_ms_per_s": round(1000 * idle[0] / idle[1], 2),
+        "picker_cpu_ms_per_unkeyed_body": round(1000 * loaded_cpu[0] / max(sent, 1), 3),
+        "picker_cpu_ms_per_unkeyed_body_net": round(1000 * net_cpu_per_body(idle, alone_cpu, loaded_cpu, sent), 3),
     }
 
 
@@ -120,6 +152,7 @@ def main() -> None:
     parser.add_argument("--body-bytes", type=int, default=8 * 1024 * 1024 - 4096)
     parser.add_argument("--loops", type=int, default=2, help="clients sending bodies without a key")
     parser.add_argument("--requests", type=int, default=40, help="keyed chats per phase")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="how long the pickers' idle CPU is measured")
     print(json.dumps(asyncio.run(run(parser.parse_args())), indent=2))
 
 

@@ -10,8 +10,9 @@ passes through here. The pick is the model deployment's own request router (pref
 routing when the model turns it on, else Serve's power of two choices), run here for HAProxy.
 
 Nothing a client sends before its key is checked costs more than that check: a request
-without an accepted key (when keys are configured) is routed by load with its body unread,
-and its prompt never reaches the router's table; the replica answers it 401. A body cut at
+without an accepted key (when keys are configured) goes to a replica taken at random from the
+router's list, with no routing pass and its body unread, so its prompt never reaches the
+router's table; the replica answers it 401. A body cut at
 the buffer's size, one that nests or counts arrays and objects past the front door's bounds,
 or one that is not JSON or names no prompt, is routed by load too.
 
@@ -38,7 +39,7 @@ from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
 from serve_app.front_door.auth import APIKeysUnavailable, bearer_token, load_api_keys
 from serve_app.front_door.json_body import MAX_NESTING, check_structure
-from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, pick_replica, pick_replica_id
+from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, any_replica, pick_replica, pick_replica_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -93,15 +94,12 @@ def picker_keys(config: APIKeysConfig | None) -> KeyCheck | None:
         return NoKeyAccepted()
 
 
-async def routing_of(
-    keys: KeyCheck | None, headers: Mapping[str, str], body: Callable[[], Awaitable[bytes]]
-) -> tuple[str, Any] | None:
-    """What the request router reads of a request HAProxy asks about (None: route by load).
+async def routing_of(headers: Mapping[str, str], body: Callable[[], Awaitable[bytes]]) -> tuple[str, Any] | None:
+    """What the request router reads of a request whose key the front door accepts (None: route by load).
 
-    ``body`` is read only for a request whose key the front door accepts and whose body
-    HAProxy forwarded whole: the bytes of any other request are never parsed here.
+    ``body`` is read only if HAProxy forwarded it whole.
     """
-    if not admitted(keys, headers) or BODY_TRUNCATED_HEADER in headers:
+    if BODY_TRUNCATED_HEADER in headers:
         return None
     return routing_request(await body())
 
@@ -122,6 +120,9 @@ def admitted(keys: KeyCheck | None, headers: Mapping[str, str]) -> bool:
     # successor starts before it stops (app.py also keeps it answering while it stops). Without
     # a surge Serve stopped it first, and HAProxy had no picker to ask for seconds.
     max_surge_percent=100,
+    # No access line per pick: the model replica logs each request, and writing a line was an
+    # eighth of the picker's CPU per request (py-spy, unauthenticated bodies: docs/performance.md).
+    logging_config={"enable_access_log": False},
 )
 @serve.ingress()
 class ReplicaPicker:
@@ -145,8 +146,11 @@ class ReplicaPicker:
         return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
 
     async def route(self, request: Request) -> Response:
-        parsed = await routing_of(self.keys, request.headers, request.body)
-        if parsed is None:
+        if not admitted(self.keys, request.headers):
+            # Any replica answers it 401 alike: one from the router's list, with no routing pass.
+            handle = self.handles["chat"]
+            endpoint = any_replica(handle) or await pick_replica(handle)
+        elif (parsed := await routing_of(request.headers, request.body)) is None:
             endpoint = await pick_replica(self.handles["chat"])
         else:
             method, routing_args = parsed

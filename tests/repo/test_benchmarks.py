@@ -488,3 +488,12 @@ def test_the_reloads_benchmark_changes_replicas_beside_args_so_no_replica_is_reb
     assert changed_app["args"] == app["args"]
     assert changed_app["deployments"] == [{"name": DEPLOYMENT, "num_replicas": 3}]
     ServeDeploySchema.model_validate(changed)
+
+
+def test_the_unauthenticated_bodies_benchmark_nets_out_idling_and_the_keyed_chats() -> None:
+    """Per body: the loaded phase's CPU less idling for as long and less the keyed chats' cost."""
+    from benchmarks.unauthenticated_bodies import net_cpu_per_body
+
+    # idle: 0.1 CPU-s a second; the keyed chats alone: 2 s of wall, 0.5 CPU-s (0.3 of it theirs)
+    per_body = net_cpu_per_body(idle=(1.0, 10.0), alone=(0.5, 2.0), loaded=(1.3, 5.0), bodies=100)
+    assert abs(per_body - (1.3 - 0.5 - 0.3) / 100) < 1e-12

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from serve_app.config import APIKeysConfig
+from serve_app.deployments import replica_picker
 from serve_app.deployments.replica_picker import admitted, picker_keys, routing_of
 from serve_app.deployments.replica_picker import routing_request as read_routing_request
 from serve_app.front_door.auth import APIKeys
 from serve_app.front_door.json_body import MAX_CONTAINERS
 from serve_app.routing.prompt_text import PromptRenderer
+from serve_app.serve_internals import ReplicaEndpoint
 
 
 def routing_request(body: bytes) -> tuple[str, Any]:
@@ -113,33 +116,72 @@ class Body:
         return self.data
 
 
+class Picks:
+    """Stands in for serve_internals' two ways to name a replica, counting each."""
+
+    def __init__(self) -> None:
+        self.routed: list[tuple[Any, ...]] = []  # routing passes (the handle's router), with what they read
+        self.at_random = 0  # replicas named from the router's list, with no pass
+
+    async def pick_replica(self, handle: Any, *routing_args: Any) -> ReplicaEndpoint:
+        self.routed.append(routing_args)
+        return ReplicaEndpoint("10.0.0.1", 8001, "routed")
+
+    def any_replica(self, handle: Any) -> ReplicaEndpoint:
+        self.at_random += 1
+        return ReplicaEndpoint("10.0.0.2", 8002, "at-random")
+
+
+class Request:
+    """What ``ReplicaPicker.route`` reads of Starlette's request."""
+
+    def __init__(self, headers: dict[str, str], body: Body) -> None:
+        self.headers, self.body = headers, body
+
+
+async def route(monkeypatch: pytest.MonkeyPatch, api_keys: APIKeys | None, headers: dict[str, str], body: Body):
+    """``ReplicaPicker.route`` for one request: the replica it names, and how it named it."""
+    picks = Picks()
+    monkeypatch.setattr(replica_picker, "pick_replica", picks.pick_replica)
+    monkeypatch.setattr(replica_picker, "any_replica", picks.any_replica)
+    picker = SimpleNamespace(keys=api_keys, handles={"chat": "chat handle", "completion": "completion handle"})
+    picker_class = cast(Any, replica_picker.ReplicaPicker).func_or_class  # (the class Serve's deployment wraps)
+    response = await picker_class.route(picker, Request(headers, body))
+    return json.loads(response.body)["replica_id"], picks
+
+
 @pytest.mark.parametrize(
     "headers",
     [{}, {"authorization": "Bearer sk-not-a-configured-key-0"}, {"authorization": KEY}],
     ids=["no key", "a wrong key", "not a bearer token"],
 )
-async def test_without_an_accepted_key_the_body_is_never_read_and_the_request_goes_by_load(headers) -> None:
+async def test_without_an_accepted_key_the_body_is_never_read_nor_routed(monkeypatch, headers) -> None:
+    """A replica from the router's list, no routing pass: the cost of a refused request is the key check."""
     body = Body(CHAT)
-    assert await routing_of(keys(), headers, body) is None
-    assert body.reads == 0
+    replica, picks = await route(monkeypatch, keys(), headers, body)
+    assert (replica, picks.at_random, picks.routed, body.reads) == ("at-random", 1, [], 0)
 
 
-async def test_with_an_accepted_key_the_prompt_is_read() -> None:
+async def test_with_an_accepted_key_the_prompt_is_read_and_routed(monkeypatch) -> None:
     body = Body(CHAT)
-    parsed = await routing_of(keys(), {"authorization": f"Bearer {KEY}"}, body)
-    assert parsed is not None and parsed[0] == "chat" and body.reads == 1
+    replica, picks = await route(monkeypatch, keys(), {"authorization": f"Bearer {KEY}"}, body)
+    (routing_args,) = picks.routed
+    assert replica == "routed" and picks.at_random == 0 and body.reads == 1
+    assert routing_args[0].messages == [{"role": "user", "content": "hi"}]
 
 
-async def test_without_keys_configured_every_request_is_read() -> None:
+async def test_without_keys_configured_every_request_is_read(monkeypatch) -> None:
     body = Body(CHAT)
-    assert await routing_of(None, {}, body) is not None
+    replica, picks = await route(monkeypatch, None, {}, body)
+    assert replica == "routed" and len(picks.routed[0]) == 1 and body.reads == 1
 
 
-async def test_a_body_haproxy_cut_at_its_buffer_goes_by_load_unread() -> None:
+async def test_a_body_haproxy_cut_at_its_buffer_goes_by_load_unread(monkeypatch) -> None:
     body = Body(CHAT[:10])
     headers = {"authorization": f"Bearer {KEY}", "x-body-truncated": "10/300000"}
-    assert await routing_of(keys(), headers, body) is None
-    assert body.reads == 0
+    replica, picks = await route(monkeypatch, keys(), headers, body)
+    assert (replica, picks.routed, body.reads) == ("routed", [()], 0)
+    assert await routing_of(headers, body) is None
 
 
 def test_admitted_is_the_front_doors_own_key_check() -> None:
@@ -148,9 +190,9 @@ def test_admitted_is_the_front_doors_own_key_check() -> None:
     assert not admitted(keys(), {"authorization": "Bearer " + KEY[:-1] + "x"})
 
 
-async def test_where_the_keys_cannot_be_read_the_picker_still_routes_every_request_unread(tmp_path) -> None:
-    """A picker on a pod without the keys' Secret starts, and reads no body (each goes by load)."""
+async def test_where_the_keys_cannot_be_read_the_picker_still_routes_every_request_unread(monkeypatch, tmp_path):
+    """A picker on a pod without the keys' Secret starts, and reads no body (each goes to any replica)."""
     keys = picker_keys(APIKeysConfig(file=str(tmp_path / "absent")))
     body = Body(CHAT)
-    assert await routing_of(keys, {"authorization": f"Bearer {KEY}"}, body) is None
-    assert body.reads == 0
+    replica, picks = await route(monkeypatch, keys, {"authorization": f"Bearer {KEY}"}, body)
+    assert (replica, picks.routed, body.reads) == ("at-random", [], 0)
