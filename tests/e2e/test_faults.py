@@ -283,8 +283,9 @@ async def test_a_pickers_death_costs_no_request_haproxy_asks_the_other(bed) -> N
     """The bed's two ReplicaPicker replicas (the shipped default): one killed (SIGKILL), then
     requests sent at once while HAProxy still lists it: its Lua action, round robin over the
     pickers, finds the dead one's port closed and asks the other, so every request is answered
-    whole (with one picker each would get HAProxy's 503 ``router_unreachable``). Serve then
-    starts a replacement, which the test waits for: the bed keeps its shape for the tests after."""
+    whole (with one picker each would get HAProxy's 503 ``router_unreachable``). Serve's
+    replacement of the dead one (Serve's own) is not waited for: the tests after meet one picker
+    or two, and either answers them (in CI the wait took half a minute)."""
     picker = DeploymentName(bed.app.name, "ReplicaPicker")
 
     async def two_running() -> set[str] | None:
@@ -305,12 +306,6 @@ async def test_a_pickers_death_costs_no_request_haproxy_asks_the_other(bed) -> N
         os.kill(actor.pid, signal.SIGKILL)
         answers = await asyncio.gather(*(one(client) for _ in range(PICKER_BURST)))
     assert answers == [(200, "length")] * PICKER_BURST, answers
-
-    async def replaced() -> bool:
-        running = await running_replica_actors(picker)
-        return len(running) == 2 and victim not in running
-
-    await wait_until(replaced, BED_REPLACES_S, "the dead picker replaced")
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> list[Stream]:
