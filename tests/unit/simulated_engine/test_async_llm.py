@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -43,6 +44,21 @@ async def generate(engine, request_id: str, prompt_tokens: int = 16, first_token
     return final
 
 
+async def choices(engine, request_id: str, **params) -> list[Any]:
+    """Each choice's last output, in index order. With n > 1, vLLM yields a choice's progress in the
+    output of the engine step that made it: choices that finish in different steps (a child
+    request admitted a step later, on a busy machine) end in different outputs."""
+    from vllm import SamplingParams
+
+    last: dict[int, Any] = {}
+    async for output in engine.generate(
+        {"prompt_token_ids": list(range(20, 36))}, SamplingParams(**params), request_id
+    ):
+        for choice in output.outputs:
+            last[choice.index] = choice
+    return [last[index] for index in sorted(last)]
+
+
 @pytest.fixture
 async def engine():
     engine = simulated_engine()
@@ -54,12 +70,12 @@ async def test_concurrent_requests_get_exactly_their_lengths_and_n_choices(engin
     lengths = [1 + 7 * i for i in range(32)]
     outputs = await asyncio.gather(
         *(generate(engine, f"r{i}", max_tokens=n) for i, n in enumerate(lengths)),
-        generate(engine, "three", max_tokens=9, n=3),
+        choices(engine, "three", max_tokens=9, n=3),
     )
     for output, n in zip(outputs, lengths, strict=False):
         [choice] = output.outputs
         assert (len(choice.token_ids), choice.finish_reason) == (n, "length")
-    assert [(len(c.token_ids), c.finish_reason) for c in outputs[-1].outputs] == [(9, "length")] * 3
+    assert [(len(c.token_ids), c.finish_reason) for c in outputs[-1]] == [(9, "length")] * 3
     assert engine.engine_core.batch.idle and engine.engine_core.batch.kv_used_tokens == 0
 
 
