@@ -4,8 +4,7 @@ The simulated engine is made to fail (vLLM's own engine-dead error path, which a
 engine-core process takes) or to hang, at the moment the test chooses: streams under way
 (their first tokens read, the engine at a fifth of its pace) and requests still waiting for
 their first token (the engine paused). The death is on ``prefix``'s two model replicas (what
-its replica is sent next goes on to the other), the hang on the bed, as is a ReplicaPicker's
-death (SIGKILL: HAProxy asks the other picker). One canary on the CPU
+its replica is sent next goes on to the other), the hang on the bed. One canary on the CPU
 app kills the real engine's process, the event the simulated failure stands for; it leaves
 the CPU app without an engine, so it runs last.
 """
@@ -274,38 +273,6 @@ async def test_a_replica_process_killed_mid_stream_cuts_the_connection_never_a_c
     assert events and "[DONE]" not in events, events[-2:]
     assert not any("error" in json.loads(event) for event in events), events[-2:]
     print(f"{len(events)} chunks read before the cut; the client's library raised a transport error")
-
-
-PICKER_BURST = 24  # requests sent at once right after a picker's death, while HAProxy still lists it
-
-
-async def test_a_pickers_death_costs_no_request_haproxy_asks_the_other(bed) -> None:
-    """The bed's two ReplicaPicker replicas (the shipped default): one killed (SIGKILL), then
-    requests sent at once while HAProxy still lists it: its Lua action, round robin over the
-    pickers, finds the dead one's port closed and asks the other, so every request is answered
-    whole (with one picker each would get HAProxy's 503 ``router_unreachable``). Serve's
-    replacement of the dead one (Serve's own) is not waited for: the tests after meet one picker
-    or two, and either answers them (in CI the wait took half a minute)."""
-    picker = DeploymentName(bed.app.name, "ReplicaPicker")
-
-    async def two_running() -> set[str] | None:
-        running = await running_replica_actors(picker)
-        return running if len(running) == 2 else None
-
-    before = await wait_until(two_running, 60, "the bed's two pickers running")
-    victim = sorted(before)[0]
-    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", victim)])
-
-    async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
-        response = await client.post("/v1/chat/completions", json=chat(bed.app.model, 4))
-        finish = response.json()["choices"][0]["finish_reason"] if response.status_code == 200 else response.text
-        return response.status_code, finish
-
-    async with httpx.AsyncClient(base_url=bed.app.url, timeout=60) as client:
-        assert await one(client) == (200, "length")
-        os.kill(actor.pid, signal.SIGKILL)
-        answers = await asyncio.gather(*(one(client) for _ in range(PICKER_BURST)))
-    assert answers == [(200, "length")] * PICKER_BURST, answers
 
 
 async def kill_the_engine_under_streams(app: RunningApp, deployment) -> list[Stream]:

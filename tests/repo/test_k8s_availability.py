@@ -97,7 +97,7 @@ def test_the_limiter_runs_two_replicas_on_the_cpu_workers_never_the_head(name):
     with num-cpus 0) never takes one, nor does a GPU worker (its CPUs are its model replica's:
     above); and both fit one CPU worker, so one CPU pod's loss leaves room. (The pickers ask for
     none: Serve pins them to every node that runs a proxy, the head and the GPU workers included,
-    two on each: deploy/cluster.env.)"""
+    one on each.)"""
     (rayservice,) = rayservices(name)
     config = parse_app_config(app_args(rayservice))
     head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]

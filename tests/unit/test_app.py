@@ -11,7 +11,6 @@ import pytest
 from serve_app import app as app_module
 from serve_app.deployments.options import MODEL_SERVER
 from tests.serve_configs import app_args
-from tools.cluster_env import cluster_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,21 +65,16 @@ def test_a_replaced_picker_starts_its_successor_first_and_answers_as_long_as_a_m
 
 
 @pytest.mark.parametrize("haproxy", [True, False], ids=["with HAProxy", "without HAProxy"])
-def test_two_pickers_and_two_limiters_each_keys_limiter_calls_kept_on_one(
-    monkeypatch: pytest.MonkeyPatch, haproxy: bool
-) -> None:
-    """Neither is a single point of failure. With HAProxy, Serve places the pickers itself, two on
-    each node (deploy/cluster.env); without it a model replica that cannot ask the picker answers
-    itself (test_local_engine.py). Each API key's limiter calls go to one of the limiter's two
-    replicas, chosen by Ray's consistent-hash router, with no fallback that would split a key's
-    counts; the config may set its replicas."""
+def test_two_limiters_each_keys_limiter_calls_kept_on_one(monkeypatch: pytest.MonkeyPatch, haproxy: bool) -> None:
+    """With HAProxy, Serve places the pickers itself, one on each node; without it a model replica
+    that cannot ask the picker answers itself (test_local_engine.py). Each API key's limiter calls
+    go to one of the limiter's two replicas, chosen by Ray's consistent-hash router, with no
+    fallback that would split a key's counts; the config may set its replicas."""
     monkeypatch.setattr(app_module, "haproxy_enabled", lambda: haproxy)
     args = app_args("config.sim.yaml")
     args["ingress"] |= {"api_keys": {"env": "GLM4_TEST_KEYS"}, "rate_limits": {"requests_per_minute": 5}}
     application = app_module.build_app(args)
     model = application._bound_deployment
-    if haproxy:
-        assert cluster_env()["RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"] == "2"
     limiter = model.init_args[2]._bound_deployment
     assert limiter._deployment_config.num_replicas == 2
     router = limiter._deployment_config.request_router_config
