@@ -64,13 +64,10 @@ def test_a_replaced_picker_starts_its_successor_first_and_answers_as_long_as_a_m
     assert config.graceful_shutdown_timeout_s > 7.0
 
 
-@pytest.mark.parametrize("haproxy", [True, False], ids=["with HAProxy", "without HAProxy"])
-def test_two_limiters_each_keys_limiter_calls_kept_on_one(monkeypatch: pytest.MonkeyPatch, haproxy: bool) -> None:
-    """With HAProxy, Serve places the pickers itself, one on each node; without it a model replica
-    that cannot ask the picker answers itself (test_local_engine.py). Each API key's limiter calls
-    go to one of the limiter's two replicas, chosen by Ray's consistent-hash router, with no
-    fallback that would split a key's counts; the config may set its replicas."""
-    monkeypatch.setattr(app_module, "haproxy_enabled", lambda: haproxy)
+def test_two_limiters_each_keys_limiter_calls_kept_on_one() -> None:
+    """Each API key's limiter calls go to one of the limiter's two replicas, chosen by Ray's
+    consistent-hash router, with no fallback that would split a key's counts; the config may set
+    its replicas."""
     args = app_args("config.sim.yaml")
     args["ingress"] |= {"api_keys": {"env": "GLM4_TEST_KEYS"}, "rate_limits": {"requests_per_minute": 5}}
     application = app_module.build_app(args)
