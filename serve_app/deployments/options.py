@@ -75,9 +75,9 @@ def model_server_options(model: ModelConfig, longest_answer_s: float | None = No
 
 def picker_options(drain_s: float) -> dict[str, Any]:
     """The ReplicaPicker's options with HAProxy. Serve pins its replicas to the nodes that run a
-    proxy, ``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE`` on each (Serve's default, one: two split the
-    prefix tables, docs/architecture.md record 23),
-    whatever ``num_replicas`` says, and each node's HAProxy asks its own. A ReplicaPicker Serve
+    proxy, ``RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE`` on each (Serve's default, one: two split
+    the prefix tables, docs/architecture.md record 23), whatever ``num_replicas`` says, and each
+    node's HAProxy asks its own. A ReplicaPicker Serve
     stops keeps answering as long as a model replica would (Serve drains only the ingress's
     replicas): an HAProxy process of the configuration before still sends the requests of its
     open keep-alive connections to it (docs/operations.md). (Without HAProxy, a bare ``serve
