@@ -3,7 +3,9 @@ and per-key limits hold across replicas.
 
 On ``glm-rollout`` (the bed with Serve's production drain of a stopping replica), changing the
 application's arguments replaces every replica. Streams from clients that already send their
-key flow through the replacement and complete in full; afterwards every ``/v1/*`` request needs
+key flow through the replacement and complete in full, and so do long answers begun on the
+replaced replica, which outlive the hard stop Serve's HAProxy would give them by default after
+its reload (deploy/cluster.env sets a longer one); afterwards every ``/v1/*`` request needs
 a key, ``/health`` does not, a rotated key file takes effect without a restart, and no key is
 ever written to a log. The application is the test's own: it stays keyed.
 On ``glm-rate-limited``, per-key rate limits are on with two model replicas answering clients,
@@ -26,23 +28,36 @@ import ray
 import yaml
 
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import LIMITED_KEYS, REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, application
 from tests.e2e.harness.bodies import chat, grpc_chat
 from tests.e2e.harness.grpc_calls import call, channel
+from tests.e2e.harness.haproxy import watching_reloads
 from tests.e2e.harness.serve_state import (
     DeploymentName,
+    live_replicas,
     only_one_running,
     replica_states,
     serve_deploy_kept,
 )
 from tests.e2e.harness.simulation import ready_bed
-from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.sse import Stream, post_stream
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-rollout", "glm-rate-limited")
 
 KEYS = ("sk-e2e-first-4f1c9a-0123456789", "sk-e2e-second-77b2d0-0123456789")
 ROTATED = "sk-e2e-rotated-c3e8aa-0123456789"
+# Answers that began before the rollout, on the replica it replaces: LONG_TOKENS each (about 3
+# minutes at glm-rollout's pace, however long the rollout takes), the old replica stepping
+# SLOW_PACE times slower once replaced (about 0.3 s a token) until they have outlived Serve's
+# default hard stop, then QUICK_PACE times (their last tokens within seconds).
+LONG_ANSWERS, LONG_TOKENS = 4, 6000
+SLOW_PACE, QUICK_PACE = 10.0, 0.05
+# Serve's default RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S, which cut every answer an old HAProxy
+# process still carried this long after a reload; deploy/cluster.env sets 1020 s.
+RAY_DEFAULT_HARD_STOP_S = 120
+HARD_STOP_MARGIN_S = 10  # the reload's start read from the process table, and Serve's lag
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -50,8 +65,12 @@ def bearer(key: str) -> dict[str, str]:
 
 
 async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, cluster, tmp_path):
+    """Streams sent through the rollout all end whole, and so do long answers that began before
+    it: they outlive, by the old HAProxy process that carries them, the hard stop Serve's default
+    (RAY_DEFAULT_HARD_STOP_S after the reload) would have cut them at."""
     rollout = await ready_bed(variants["glm-rollout"])
-    app, model = rollout.app, rollout.model
+    app, model, engines = rollout.app, rollout.model, rollout.engines
+    (old,) = await engines.replicas()
     keys_file = tmp_path / "api-keys"
     keys_file.write_text("\n".join(KEYS) + "\n")
     config = yaml.safe_load(app.config_path.read_text())
@@ -66,37 +85,72 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, 
     rollout_done = asyncio.Event()
     results: list[tuple[bool, int]] = []
     # The clients send their key before keys are required; it is ignored until then.
-    async with httpx.AsyncClient(base_url=app.url, timeout=120, headers=bearer(KEYS[0])) as client:
+    async with (
+        httpx.AsyncClient(base_url=app.url, timeout=120, headers=bearer(KEYS[0])) as client,
+        watching_reloads() as reloads,
+    ):
 
         async def stream_until_rolled_out() -> None:
             body = chat(app.model, 256, stream=True, stream_options={"include_usage": True})
             while not rollout_done.is_set():
                 stream = await post_stream(client, "/v1/chat/completions", body)
-                usage = stream.chunks[-1].get("usage") if stream.chunks else None
-                results.append((stream.status == 200 and stream.done, usage["completion_tokens"] if usage else 0))
+                results.append(_outcome(stream))
 
+        long_body = chat(app.model, LONG_TOKENS, stream=True, stream_options={"include_usage": True})
+        long_answers = [
+            asyncio.create_task(post_stream(client, "/v1/chat/completions", long_body)) for _ in range(LONG_ANSWERS)
+        ]
+        await engines.wait_until_holding(LONG_ANSWERS)
+        connected = time.time()  # every long answer is under way through the HAProxy process of now
         workers = [asyncio.create_task(stream_until_rolled_out()) for _ in range(16)]
+        picker = DeploymentName(app.name, "ReplicaPicker")
+        old_pickers = set(await live_replicas(picker))
         try:
             started = time.monotonic()
             await serve_deploy_kept(keyed, app.config_path, cluster)  # the application is this test's own
-            # A replacement starts next to the old replica (max_surge_percent), then the old one drains.
+            # A replacement starts next to the old replica (max_surge_percent), then the old one drains
+            # (as long as the long answers last: its graceful_shutdown_timeout_s allows them).
             await wait_until(lambda: _replacing(model), 60, "replacing the replica")
-            await wait_until(lambda: only_one_running(model), 300, "rolled out to the new config")
+            await wait_until(lambda: _replaced(model), 300, "the new replica running, the old one stopping")
             took = time.monotonic() - started
+            # From now on the old replica steps slowly, so that the long answers are still streaming
+            # from it, through the HAProxy process they connected to, past Serve's default hard stop.
+            await engines.control(old, Control.PACE, SLOW_PACE)
+            assert not any(answer.done() for answer in long_answers), f"the rollout outlasted {LONG_TOKENS} tokens"
+            # The streams go on through the old picker's drain (it answers HAProxy's old process while
+            # Serve drains it), until it is gone.
+            await wait_until(lambda: _none_alive(picker, old_pickers), 120, "the old picker gone")
         finally:
             rollout_done.set()
-            await asyncio.gather(*workers)
+        # The application is this test's own and stays keyed: no test uses it after, and its
+        # replacement drains as the suite's cluster does (the suite's stop waits on no production timer).
+        await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
+        _check_keys_are_required(app)
+        await _check_grpc_calls_need_a_key(app)
+        await _check_rotation(app, keys_file)
+
+        reload = reloads.first_after(connected)
+        assert reload is not None, "HAProxy was not reloaded while the long answers streamed"
+        # What the test proves takes this long: Serve's default would cut the old process's
+        # connections RAY_DEFAULT_HARD_STOP_S after the reload (docs/operations.md).
+        await asyncio.sleep(max(0.0, reload + RAY_DEFAULT_HARD_STOP_S + HARD_STOP_MARGIN_S - time.time()))
+        ended = [answer.exception() or _outcome(answer.result()) for answer in long_answers if answer.done()]
+        assert not ended, f"long answers ended before Serve's default hard stop: {ended}"
+        await engines.control(old, Control.PACE, QUICK_PACE)  # the long answers' last tokens, quickly
+        await asyncio.gather(*workers)
+        long_results = [_outcome(stream) for stream in await asyncio.gather(*long_answers)]
+        await wait_until(lambda: only_one_running(model), 120, "the old replica gone once its answers ended")
     incomplete = [r for r in results if r != (True, 256)]
     print(f"rolled out in {took:.0f} s; {len(results)} streams ran through it")
     assert results and not incomplete, f"{len(incomplete)} of {len(results)} streams were cut: {incomplete[:5]}"
-
-    # The application is this test's own and stays keyed: no test uses it after, and its
-    # replacement drains as the suite's cluster does (the suite's stop waits on no production timer).
-    await wait_until(lambda: _keys_required(app.url), 60, "requiring API keys")
-    _check_keys_are_required(app)
-    await _check_grpc_calls_need_a_key(app)
-    await _check_rotation(app, keys_file)
+    assert long_results == [(True, LONG_TOKENS)] * LONG_ANSWERS, long_results
     _check_no_key_is_logged(app)
+
+
+def _outcome(stream: Stream) -> tuple[bool, int]:
+    """Whether a stream ended whole (200, ``[DONE]``), and the tokens its usage chunk counts."""
+    usage = stream.chunks[-1].get("usage") if stream.chunks else None
+    return stream.status == 200 and stream.done, usage["completion_tokens"] if usage else 0
 
 
 def _check_keys_are_required(app) -> None:
@@ -182,6 +236,16 @@ async def _accepts(url: str, key: str) -> bool:
 
 async def _replacing(handle) -> bool:
     return sum((await replica_states(handle)).values()) > 1
+
+
+async def _none_alive(deployment: DeploymentName, replicas: set[str]) -> bool:
+    return not replicas & set(await live_replicas(deployment))
+
+
+async def _replaced(handle) -> bool:
+    """Once replacing: the new replica running and nothing starting (the old one drains while its answers last)."""
+    states = await replica_states(handle)
+    return states.get("RUNNING") == 1 and "STARTING" not in states
 
 
 async def test_two_replicas_answering_clients_together_enforce_each_keys_rate_limits(variants):

@@ -11,8 +11,10 @@
   serving layer under load and faults run on it. What differs from the shipped config, and
   why, is :func:`bed_application`'s list.
 
-The cluster-wide options (HTTP and gRPC ports, the proxies' time limits) are the CPU
-config's, as ``make serve`` runs it; only the ports differ.
+The cluster-wide options are the CPU config's, as ``make serve`` runs it, but for the ports and
+the proxies' time limits: those are deploy/config.sim.yaml's (production's, 960 s), so that each
+application's own limits end its requests, and an answer may outlive Serve's default HAProxy
+hard stop (120 s) as production's do (test_rollout).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ BED_ROUTE = "/sim"
 # Short enough that the hang test's watchdog acts within seconds; a paused engine keeps
 # reporting (heartbeats), so only a hang trips it.
 BED_STALL_TIMEOUT_S = 5
-# Requests on the bed: the CPU config's limits, since its proxies' (90 s) bound every app.
+# Requests on the bed: the CPU config's limits (a time-limit test waits them out).
 BED_REQUEST_TIMEOUT_S = 60
 # Serve's health checks of the bed's model replicas (shipped: every 10 s, 30 s timeout, 3
 # failures), so a dead or hung engine's replica is replaced within seconds, not a minute.
@@ -81,8 +83,8 @@ def bed_application() -> dict[str, Any]:
     - no model load time (``load_s`` 0): a replacement replica serves within seconds;
     - one model replica, not autoscaling: a burst sized for one replica's queue meets exactly
       that (the autoscale test sets autoscaling back);
-    - the CPU config's time limits (request 60 s, first token 30 s, drain 60 s), since the
-      cluster's proxies are the CPU config's (they end any request after 90 s);
+    - the CPU config's time limits (request 60 s, first token 30 s, drain 60 s): the tests that
+      wait one out wait seconds, not production's minutes;
     - ``engine_stall_timeout_s`` 5, so that a hung engine is caught within seconds;
     - health checks every 2 s with a 5 s timeout (shipped: 10 s and 30 s), so that Serve
       replaces a dead engine's replica within seconds.
@@ -117,6 +119,9 @@ REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = 12, 1200
 TAKES, QUEUES = 2, 2
 # Serve's production drain of a stopping HAProxy-fronted replica (the suite's cluster drains 1 s).
 PRODUCTION_DRAIN_S = 30
+# glm-rollout's limit on a request, and its replicas' graceful stop: long enough for answers that
+# outlive Serve's default HAProxy hard stop (120 s) after a reload, as production's may (900 s).
+ROLLOUT_ANSWER_S = 600
 # What glm-autoscaled changes in deploy/config.sim.yaml's autoscaling: from one replica, and the
 # shipped 10 s upscale delay with a 10 s downscale delay (not 60 s) and look-back (Serve's
 # default: 30 s), so that it scales out and back within the test. (At 2 s up and 5 s down over a
@@ -167,8 +172,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       rate limiter, one replica of it (test_fair_share);
     - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
-    - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain and SLOWER_STEPS, which
-      the rollout test replaces while streams run (test_rollout);
+    - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, SLOWER_STEPS and
+      ROLLOUT_ANSWER_S, which the rollout test replaces while streams run (test_rollout);
     - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
       (test_direct_streaming);
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
@@ -195,6 +200,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     rollout.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(drain)
     (model,) = rollout["args"]["models"]
     model["simulated_engine"] |= SLOWER_STEPS
+    model["deployment"]["graceful_shutdown_timeout_s"] = ROLLOUT_ANSWER_S
+    rollout["args"]["ingress"]["request_timeout_s"] = ROLLOUT_ANSWER_S
     direct = variant("direct", "/direct")
     (model,) = direct["args"]["models"]
     model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
@@ -250,8 +257,10 @@ def quantised_application() -> dict[str, Any]:
 def suite_config(http_port: int, grpc_port: int, env_vars: dict[str, str], workdir: Path) -> dict[str, Any]:
     """The serve config the suite runs: the CPU app, the bed and its variants, ``env_vars`` added to each."""
     config = yaml.safe_load(CPU_CONFIG.read_text())
-    config["http_options"]["port"] = http_port
-    config["grpc_options"]["port"] = grpc_port
+    production = yaml.safe_load(SIM_CONFIG.read_text())
+    for proxy, port in (("http_options", http_port), ("grpc_options", grpc_port)):
+        config[proxy]["port"] = port
+        config[proxy]["request_timeout_s"] = production[proxy]["request_timeout_s"]
     config["applications"] = [
         cpu_application(),
         bed_application(),
