@@ -63,8 +63,11 @@ def build_app(args: dict[str, Any]) -> Application:
         # ReplicaPicker (by the model deployment's name: it holds no handle back) which answers.
         picker = None
         if model.prefix_routing.enabled:
-            picker = deployment(ReplicaPicker).bind(model.deployment_name, config.ingress.api_keys)
+            picker = deployment(ReplicaPicker).bind(
+                model.deployment_name, config.ingress.api_keys, config.ingress.isolates_prefix_cache
+            )
         return model_server.bind(model, config, rate_limiter, picker)
     server = model_server.bind(model, config, rate_limiter)
     picker = deployment(ReplicaPicker).options(**picker_options(haproxy_deregistration_s()))
-    return with_ingress_request_router(server, picker.bind(server, config.ingress.api_keys))
+    picked = picker.bind(server, config.ingress.api_keys, config.ingress.isolates_prefix_cache)
+    return with_ingress_request_router(server, picked)

@@ -110,10 +110,13 @@ class PickledRequest:
     request_id: str
     stream: bool
     priority: int = 0  # set after pickling (see with_priority)
+    cache_salt: str | None = None  # set after pickling (see with_cache_salt); None: as pickled
 
     def load(self) -> BaseModel:
         request = pickle.loads(self.data)
         request.priority = self.priority
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         return request
 
 
@@ -122,6 +125,14 @@ def with_priority(request: GenerationRequest, priority: int) -> GenerationReques
     if isinstance(request, PickledRequest):
         return dataclasses.replace(request, priority=priority)
     request.priority = priority  # type: ignore[attr-defined]  # (vLLM's request models have it)
+    return request
+
+
+def with_cache_salt(request: GenerationRequest, salt: str) -> GenerationRequest:
+    """``request`` with vLLM's prefix-cache ``cache_salt``: requests of different salts share no cached block."""
+    if isinstance(request, PickledRequest):
+        return dataclasses.replace(request, cache_salt=salt)
+    request.cache_salt = salt  # type: ignore[attr-defined]  # (vLLM's request models have it)
     return request
 
 

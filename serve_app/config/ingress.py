@@ -219,6 +219,14 @@ class IngressConfig(StrictModel):
         "delays another key's request past about one slot's turnover nor gets it refused "
         '(docs/api-behaviour.md, "Fair share between API keys"). Needs api_keys.',
     )
+    prefix_cache_per_key: bool = Field(
+        default=True,
+        description="Each API key's prompts are cached apart in the engines' prefix cache (vLLM's cache_salt, "
+        "made from the key's id and any cache_salt the request brings), and prefix-aware routing keeps keys "
+        "apart the same way: no key's request can hit, or time, what another key's prompts left cached, and "
+        "the cached_tokens a key is told of come from its own prompts. Turn off where the keys trust each "
+        "other (a system prompt they share is then computed once for all). Needs api_keys.",
+    )
     health_max_age_s: float = Field(
         default=30.0,
         gt=0,
@@ -264,6 +272,11 @@ class IngressConfig(StrictModel):
                         "the ingress deployment it configured is gone (docs/architecture.md, record 18); remove it"
                     )
         return data
+
+    @property
+    def isolates_prefix_cache(self) -> bool:
+        """Whether each key's prompts are cached apart: prefix_cache_per_key, with keys to tell tenants apart."""
+        return self.prefix_cache_per_key and self.api_keys is not None
 
     @property
     def applies_fair_share(self) -> bool:

@@ -12,7 +12,9 @@ routing when the model turns it on, else Serve's power of two choices), run here
 Nothing a client sends before its key is checked costs more than that check: a request
 without an accepted key (when keys are configured) goes to a replica taken at random from the
 router's list, with no routing pass and its body unread, so its prompt never reaches the
-router's table; the replica answers it 401. A body cut at
+router's table; the replica answers it 401. With each key's prompts cached apart (the
+default where keys are set), a request's prompt is keyed by its key's ``cache_salt``, as the
+engine caches it. A body cut at
 the buffer's size, one that nests or counts arrays and objects past the front door's bounds,
 or one that is not JSON or names no prompt, is routed by load too.
 
@@ -38,6 +40,7 @@ from starlette.routing import Route
 from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
 from serve_app.front_door.auth import APIKeysUnavailable, bearer_token, load_api_keys
+from serve_app.front_door.cache_salt import key_cache_salt
 from serve_app.front_door.json_body import MAX_NESTING, check_structure
 from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, any_replica, pick_replica, pick_replica_id
 
@@ -104,12 +107,24 @@ async def routing_of(headers: Mapping[str, str], body: Callable[[], Awaitable[by
     return routing_request(await body())
 
 
-def admitted(keys: KeyCheck | None, headers: Mapping[str, str]) -> bool:
-    """Whether the request's key is one the front door accepts (any request, when no keys are set)."""
+ANY_CLIENT = ""  # the "key" of every request where no keys are configured
+
+
+def accepted_key(keys: KeyCheck | None, headers: Mapping[str, str]) -> str | None:
+    """The id of the request's key if the front door accepts it (:data:`ANY_CLIENT` for every
+    request, when no keys are set); None: no accepted key."""
     if keys is None:
-        return True
+        return ANY_CLIENT
     token = bearer_token(headers)
-    return token is not None and keys.identify(token) is not None
+    return None if token is None else keys.identify(token)
+
+
+def salted(routing_args: Any, key_id: str) -> Any:
+    """The parsed request under the ``cache_salt`` its key's front door gives it
+    (:mod:`serve_app.front_door.cache_salt`), so that the router keys its prompt as the engine caches it."""
+    sent = getattr(routing_args, "cache_salt", None)  # (unvalidated: the replica's 400 if not a string)
+    routing_args.cache_salt = key_cache_salt(key_id, sent if isinstance(sent, str) else None)
+    return routing_args
 
 
 @serve.deployment(
@@ -129,9 +144,13 @@ class ReplicaPicker:
     """Names the model replica for each request HAProxy asks about, or (a bare ``serve run``, no
     HAProxy) each request a model replica received: :meth:`pick`."""
 
-    def __init__(self, model: DeploymentHandle | str, api_keys: APIKeysConfig | None = None) -> None:
-        """``api_keys``: the keys the front door accepts (the config's ``ingress.api_keys``)."""
+    def __init__(
+        self, model: DeploymentHandle | str, api_keys: APIKeysConfig | None = None, isolate_prefix_cache: bool = False
+    ) -> None:
+        """``api_keys``: the keys the front door accepts (the config's ``ingress.api_keys``);
+        ``isolate_prefix_cache``: each key's prompts are cached apart (``ingress.isolates_prefix_cache``)."""
         self.keys = picker_keys(api_keys)
+        self.isolate_prefix_cache = isolate_prefix_cache and api_keys is not None
         if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
             model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
         # One handle per generation method, made once (not per request); each builds its own
@@ -146,7 +165,7 @@ class ReplicaPicker:
         return Starlette(routes=[Route(ROUTE_PATH, self.route, methods=["POST"])])
 
     async def route(self, request: Request) -> Response:
-        if not admitted(self.keys, request.headers):
+        if (key_id := accepted_key(self.keys, request.headers)) is None:
             # Any replica answers it 401 alike: one from the router's list, with no routing pass.
             handle = self.handles["chat"]
             endpoint = any_replica(handle) or await pick_replica(handle)
@@ -154,5 +173,7 @@ class ReplicaPicker:
             endpoint = await pick_replica(self.handles["chat"])
         else:
             method, routing_args = parsed
+            if self.isolate_prefix_cache:
+                routing_args = salted(routing_args, key_id)
             endpoint = await pick_replica(self.handles[method], routing_args)
         return JSONResponse({"host": endpoint.host, "port": endpoint.port, "replica_id": endpoint.replica_id})

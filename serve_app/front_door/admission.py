@@ -11,7 +11,8 @@ validation with vLLM's request model (:mod:`serve_app.front_door.validation`, 40
 what the request may cost (:mod:`serve_app.front_door.request_cost`, 400), its
 grammar built first within a time limit (:mod:`serve_app.front_door.grammar_build`, 400), a
 replica place per engine sequence with its key's rank
-(:mod:`serve_app.front_door.capacity`, 429) and the key's rate limits (429).
+(:mod:`serve_app.front_door.capacity`, 429), the key's own prefix cache
+(:mod:`serve_app.front_door.cache_salt`) and the key's rate limits (429).
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
 ``settings.generation_slots``).
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
+from serve_app.front_door.cache_salt import key_cache_salt
 from serve_app.front_door.capacity import SlotHold
 from serve_app.front_door.endpoints import Endpoint
 from serve_app.front_door.engine_call import TokenCounter
@@ -40,7 +42,7 @@ from serve_app.front_door.request_body import RequestBody
 from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.front_door.settings import IngressSettings
 from serve_app.front_door.validation import parse_request
-from serve_app.protocol import GenerationRequest, with_priority
+from serve_app.protocol import GenerationRequest, with_cache_salt, with_priority
 
 
 def validated(
@@ -123,6 +125,8 @@ async def admit(
     await build_grammar_first(settings, payload, size)
     record.model = entry.name
     payload = hold_sequences(hold, fields, size, payload, record)
+    if settings.isolate_prefix_cache and record.key_id is not None:
+        payload = with_cache_salt(payload, key_cache_salt(record.key_id, fields.get("cache_salt")))
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = fields if not large else await asyncio.to_thread(lambda: decode_body(body.json()))

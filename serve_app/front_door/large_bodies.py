@@ -67,8 +67,9 @@ CHECKER_PRELOAD = (
     "vllm.entrypoints.openai.chat_completion.protocol",
     "vllm.entrypoints.openai.completion.protocol",
 )
-# What the front door checks after validation (routing, output ceiling, choices, extensions), copied out of the
-# body; what the rest costs is measured there (serve_app.front_door.request_cost.measure).
+# What the front door checks or uses after validation (routing, output ceiling, choices, extensions, the
+# client's cache salt), copied out of the body; what the rest costs is measured there
+# (serve_app.front_door.request_cost.measure).
 CHECKED_FIELDS = (
     "model",
     "n",
@@ -76,6 +77,7 @@ CHECKED_FIELDS = (
     "max_completion_tokens",
     "use_beam_search",
     "priority",
+    "cache_salt",
 )
 
 

@@ -36,6 +36,7 @@ class IngressSettings:
     unavailable_retry_s: float = 30.0
     api_keys: APIKeys | None = None  # None: no key needed
     key_limits: KeyLimits | None = None  # None: no per-key rate limits
+    isolate_prefix_cache: bool = False  # each key's prompts cached apart (serve_app.front_door.cache_salt)
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
     # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
     metrics: RequestObserver | None = None
@@ -85,6 +86,7 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
         api_keys=load_api_keys(config.ingress.api_keys),
         cors=config.ingress.cors,
         key_limits=key_limits(config, rate_limiter),
+        isolate_prefix_cache=config.ingress.isolates_prefix_cache,
         metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),
         log_requests=config.ingress.log_requests,
         log_content=config.ingress.log_content,

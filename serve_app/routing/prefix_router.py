@@ -209,11 +209,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             prompt = None
         if prompt is None:
             return None
+        # Keyed as the engine's cache is: a prompt under another salt (another API key's) holds nothing there.
+        salt = getattr(pending_request.args[0], "cache_salt", None)
+        salt = salt if isinstance(salt, str) else None  # (a body's own, unvalidated: the replica's 400)
         key = RoutingKey(
-            blocks=prefix_blocks(prompt.text, self._block_chars),
-            home=opening_digest(prompt.opening),
+            blocks=prefix_blocks(prompt.text, self._block_chars, salt),
+            home=opening_digest(prompt.opening, salt),
             opening_blocks=len(prompt.opening) // self._block_chars,
-            whole=opening_digest(prompt.text),
+            whole=opening_digest(prompt.text, salt),
         )
         self._routing[request_id] = (key, None, time.monotonic() + CHOSEN_NOT_SENT_S)
         while len(self._routing) > REMEMBERED_REQUESTS:  # requests cancelled while waiting

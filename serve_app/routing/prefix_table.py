@@ -49,22 +49,24 @@ class Decision(str, enum.Enum):
     BY_LOAD = "by_load"  # nothing to prefer (no prompt text): chosen by load
 
 
-def prefix_blocks(text: str, block_chars: int) -> tuple[int, ...]:
-    """Chained hashes of ``text``'s full blocks: the i-th names ``text[: (i + 1) * block_chars]``.
+def prefix_blocks(text: str, block_chars: int, salt: str | None = None) -> tuple[int, ...]:
+    """Chained hashes of ``text``'s full blocks: the i-th names ``text[: (i + 1) * block_chars]``
+    (and ``salt``, the request's ``cache_salt``: as in vLLM's cache, prompts of different salts share no block).
 
     Python's ``hash`` is salted per process; the table lives in one process, so that is enough.
     """
     blocks = []
-    previous = 0
+    previous = 0 if salt is None else hash(("cache_salt", salt))
     for end in range(block_chars, len(text) + 1, block_chars):
         previous = hash((previous, text[end - block_chars : end]))
         blocks.append(previous)
     return tuple(blocks)
 
 
-def opening_digest(opening: str) -> bytes:
-    """A digest of a conversation's opening that every process computes alike."""
-    return hashlib.blake2b(opening.encode(), digest_size=16).digest()
+def opening_digest(opening: str, salt: str | None = None) -> bytes:
+    """A digest of a conversation's opening (under the request's ``cache_salt``) that every process computes alike."""
+    data = opening.encode() if salt is None else salt.encode() + b"\0" + opening.encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 # A new conversation's home is the first replica in its rendezvous order that runs fewer than

@@ -138,7 +138,7 @@ class SimulatedEngineCore:
                 logprobs=_alternatives(params.logprobs),
                 block_hashes=()
                 if self.prefix_cache is None
-                else block_hashes(prompt_ids, self.prefix_cache.block_tokens),
+                else block_hashes(prompt_ids, self.prefix_cache.block_tokens, request.cache_salt),
             )
         )
         self._work.set()

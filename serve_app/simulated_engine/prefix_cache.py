@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
-    """A name for each full block of ``token_ids`` that depends on every token before it."""
+def block_hashes(token_ids: Sequence[int], block_tokens: int, cache_salt: str | None = None) -> tuple[int, ...]:
+    """A name for each full block of ``token_ids`` that depends on every token before it, and on
+    the request's ``cache_salt`` (vLLM hashes it into the first block: different salts, no block shared)."""
     hashes: list[int] = []
-    previous = 0
+    previous = 0 if cache_salt is None else hash(("cache_salt", cache_salt))
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         previous = hash((previous, tuple(token_ids[start : start + block_tokens])))
         hashes.append(previous)

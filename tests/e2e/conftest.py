@@ -46,6 +46,7 @@ FIRST_MODULES = (
     "test_prefix_routing",
     "test_simulated_engine",
     "test_faults",
+    "test_tenant_cache",
     "test_fair_share",
     "test_picker_keys",
     "test_rollout",

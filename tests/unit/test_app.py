@@ -42,7 +42,7 @@ def test_without_haproxy_the_model_replicas_ask_the_picker_when_routing_by_prefi
     picker = application._bound_deployment.init_args[3]
     if prefix_routing:
         assert picker._bound_deployment.name == "ReplicaPicker"
-        assert picker._bound_deployment.init_args == ("model-glm-4-9b-chat", None)  # (no API keys)
+        assert picker._bound_deployment.init_args == ("model-glm-4-9b-chat", None, False)  # (no API keys)
     else:
         assert picker is None
 

@@ -167,9 +167,11 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     """The bed's variants the suite deploys once, beside the CPU app and the bed, so that no test
     deploys and restores one around itself (their key files written to ``workdir``):
 
-    - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share);
+    - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share)
+      and each one's prompts cached apart (test_tenant_cache);
     - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
-      rate limiter, one replica of it (test_fair_share);
+      rate limiter, one replica of it (test_fair_share), and trusting each other with the prefix
+      cache (test_tenant_cache);
     - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
     - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, SLOWER_STEPS and
@@ -186,6 +188,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
     # (one limiter replica: its test needs no second, which tests/e2e/test_rollout.py proves on glm-rate-limited)
     limited["args"]["ingress"]["rate_limits"] = {"max_concurrent_requests": 2, "deployment": {"num_replicas": 1}}
+    # (and its keys trust each other: they share the prefix cache, test_tenant_cache)
+    limited["args"]["ingress"]["prefix_cache_per_key"] = False
     rate_limited = with_keys(variant("glm-rate-limited", "/rate-limited"), workdir / "rate-keys", LIMITED_KEYS)
     rate_limited["args"]["ingress"]["rate_limits"] = {
         "requests_per_minute": REQUESTS_PER_MINUTE,

@@ -10,9 +10,10 @@ import pytest
 
 from serve_app.config import APIKeysConfig
 from serve_app.deployments import replica_picker
-from serve_app.deployments.replica_picker import admitted, picker_keys, routing_of
+from serve_app.deployments.replica_picker import ANY_CLIENT, accepted_key, picker_keys, routing_of
 from serve_app.deployments.replica_picker import routing_request as read_routing_request
 from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.cache_salt import key_cache_salt
 from serve_app.front_door.json_body import MAX_CONTAINERS
 from serve_app.routing.prompt_text import PromptRenderer
 from serve_app.serve_internals import ReplicaEndpoint
@@ -139,12 +140,19 @@ class Request:
         self.headers, self.body = headers, body
 
 
-async def route(monkeypatch: pytest.MonkeyPatch, api_keys: APIKeys | None, headers: dict[str, str], body: Body):
+async def route(
+    monkeypatch: pytest.MonkeyPatch,
+    api_keys: APIKeys | None,
+    headers: dict[str, str],
+    body: Body,
+    isolate_prefix_cache: bool = False,
+):
     """``ReplicaPicker.route`` for one request: the replica it names, and how it named it."""
     picks = Picks()
     monkeypatch.setattr(replica_picker, "pick_replica", picks.pick_replica)
     monkeypatch.setattr(replica_picker, "any_replica", picks.any_replica)
-    picker = SimpleNamespace(keys=api_keys, handles={"chat": "chat handle", "completion": "completion handle"})
+    handles = {"chat": "chat handle", "completion": "completion handle"}
+    picker = SimpleNamespace(keys=api_keys, handles=handles, isolate_prefix_cache=isolate_prefix_cache)
     picker_class = cast(Any, replica_picker.ReplicaPicker).func_or_class  # (the class Serve's deployment wraps)
     response = await picker_class.route(picker, Request(headers, body))
     return json.loads(response.body)["replica_id"], picks
@@ -170,6 +178,23 @@ async def test_with_an_accepted_key_the_prompt_is_read_and_routed(monkeypatch) -
     assert routing_args[0].messages == [{"role": "user", "content": "hi"}]
 
 
+async def test_with_each_keys_cache_apart_a_prompt_is_routed_under_its_keys_salt(monkeypatch) -> None:
+    """The router keys the prompt as the engine caches it: under the salt the key's front door gives it."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    key_id = keys().identify(KEY)
+    assert key_id is not None
+    _, picks = await route(monkeypatch, keys(), headers, Body(CHAT), isolate_prefix_cache=True)
+    assert picks.routed[0][0].cache_salt == key_cache_salt(key_id)
+    own_salt = json.dumps({"model": "m", "prompt": "hi", "cache_salt": "user-7"}).encode()
+    _, picks = await route(monkeypatch, keys(), headers, Body(own_salt), isolate_prefix_cache=True)
+    assert picks.routed[0][0].cache_salt == key_cache_salt(key_id, "user-7")
+    not_a_salt = json.dumps({"model": "m", "prompt": "hi", "cache_salt": [1]}).encode()  # (the replica's 400)
+    _, picks = await route(monkeypatch, keys(), headers, Body(not_a_salt), isolate_prefix_cache=True)
+    assert picks.routed[0][0].cache_salt == key_cache_salt(key_id)
+    _, picks = await route(monkeypatch, keys(), headers, Body(CHAT))  # the keys trust each other
+    assert getattr(picks.routed[0][0], "cache_salt", None) is None
+
+
 async def test_without_keys_configured_every_request_is_read(monkeypatch) -> None:
     body = Body(CHAT)
     replica, picks = await route(monkeypatch, None, {}, body)
@@ -184,10 +209,10 @@ async def test_a_body_haproxy_cut_at_its_buffer_goes_by_load_unread(monkeypatch)
     assert await routing_of(headers, body) is None
 
 
-def test_admitted_is_the_front_doors_own_key_check() -> None:
-    assert admitted(None, {})
-    assert admitted(keys(), {"authorization": f"Bearer {KEY}"})
-    assert not admitted(keys(), {"authorization": "Bearer " + KEY[:-1] + "x"})
+def test_accepted_key_is_the_front_doors_own_key_check() -> None:
+    assert accepted_key(None, {}) == ANY_CLIENT
+    assert accepted_key(keys(), {"authorization": f"Bearer {KEY}"}) == keys().identify(KEY)
+    assert accepted_key(keys(), {"authorization": "Bearer " + KEY[:-1] + "x"}) is None
 
 
 async def test_where_the_keys_cannot_be_read_the_picker_still_routes_every_request_unread(monkeypatch, tmp_path):

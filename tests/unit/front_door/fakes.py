@@ -111,6 +111,7 @@ def client_for(
     body_timeout_s: float = 30.0,
     slots: GenerationSlots | None = None,
     costs: CostLimits | None = None,
+    isolate_prefix_cache: bool = False,
 ) -> tuple[TestClient, FakeModel]:
     """A client of the front door's app; its model answers ``items``, and later calls ``then``."""
     handle = FakeModel([items, *then])
@@ -130,6 +131,7 @@ def client_for(
         log_content=log_content,
         generation_slots=slots,
         costs=costs or CostLimits(),
+        isolate_prefix_cache=isolate_prefix_cache,
     )
     app = build_http_app(router, settings, readiness)
     return TestClient(app, raise_server_exceptions=False), handle

@@ -215,3 +215,26 @@ async def test_a_model_replica_passing_on_requests_never_routes_them_to_itself_a
     ranks = await router.choose_replicas([a, b, c], picked)
     assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["c"], ["b", "c"]]
     assert "s" not in router._routing  # nothing learnt: the picker has
+
+
+def pending(request_id: str, request: Any) -> Any:
+    """What the router reads of a request Serve asks it to route: its id, method and arguments."""
+    metadata = SimpleNamespace(internal_request_id=request_id, call_method="chat")
+    return SimpleNamespace(metadata=metadata, args=[request])
+
+
+def test_a_prompt_is_keyed_by_its_cache_salt_and_a_body_s_unusable_one_is_ignored(
+    router: PrefixAffinityRouter,
+) -> None:
+    """As the engine caches it: the same prompt under two API keys' salts shares no block, no home."""
+
+    def chat(salt: Any) -> SimpleNamespace:
+        messages = [{"role": "user", "content": "the same question, asked at length " * 20}]
+        fields = {"tools": None, "tool_choice": None, "chat_template_kwargs": None, "add_generation_prompt": True}
+        return SimpleNamespace(messages=messages, cache_salt=salt, **fields)
+
+    a, b = router._key(pending("a", chat("salt-a"))), router._key(pending("b", chat("salt-b")))
+    unsalted, unusable = router._key(pending("n", chat(None))), router._key(pending("x", chat([1])))
+    assert a is not None and b is not None and unsalted is not None
+    assert a.blocks and not set(a.blocks) & set(b.blocks) and a.home != b.home and a.whole != b.whole
+    assert unusable == unsalted != a

@@ -32,6 +32,17 @@ def test_a_block_names_its_whole_prefix_and_only_full_blocks_count():
     assert prefix_blocks("short", BLOCK) == ()
 
 
+def test_a_prompt_under_another_cache_salt_matches_nothing_and_has_its_own_home():
+    """Keyed as the engine's cache is: another API key's identical prompt finds no holder of it."""
+    table = PrefixTable(max_blocks=100)
+    text = "a" * 8 + "b" * 8
+    table.record(prefix_blocks(text, BLOCK, "salt-a"), "r1")
+    assert table.longest_match(prefix_blocks(text, BLOCK, "salt-a"), {"r1", "r2"}) == (2, ("r1",))
+    assert table.longest_match(prefix_blocks(text, BLOCK, "salt-b"), {"r1", "r2"}) == (0, ())
+    assert table.longest_match(prefix_blocks(text, BLOCK), {"r1", "r2"}) == (0, ())
+    assert opening_digest(text, "salt-a") != opening_digest(text, "salt-b") != opening_digest(text)
+
+
 def test_the_longest_known_prefix_wins_and_only_among_live_candidates():
     table = PrefixTable(max_blocks=100)
     system = "S" * 32

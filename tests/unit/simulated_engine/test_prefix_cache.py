@@ -24,6 +24,15 @@ def test_a_block_is_named_by_itself_and_everything_before_it():
     assert block_hashes(prompt(1, 2) + [5, 5], BLOCK) == a[:2], "a partial block has no name"
 
 
+def test_prompts_under_different_cache_salts_share_no_block():
+    """As vLLM hashes a request's cache_salt into its first block: another key's prompt hits nothing."""
+    cache = PrefixCache(BLOCK, capacity_blocks=100)
+    cache.insert(block_hashes(prompt(1, 2, 3), BLOCK, "salt-a"))
+    assert cache.hit_tokens(block_hashes(prompt(1, 2, 3, 4), BLOCK, "salt-a"), 4 * BLOCK) == 3 * BLOCK
+    assert cache.hit_tokens(block_hashes(prompt(1, 2, 3, 4), BLOCK, "salt-b"), 4 * BLOCK) == 0
+    assert cache.hit_tokens(block_hashes(prompt(1, 2, 3, 4), BLOCK), 4 * BLOCK) == 0
+
+
 def test_a_lookup_finds_the_leading_cached_blocks_short_of_the_prompts_last_token():
     cache = PrefixCache(BLOCK, capacity_blocks=100)
     cache.insert(block_hashes(prompt(1, 2, 3), BLOCK))
