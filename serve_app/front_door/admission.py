@@ -4,15 +4,15 @@ The HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`) receive requests differently and answer
 differently. Both hand :func:`admit` the request's body
 (:mod:`serve_app.front_door.request_body`: HTTP's bytes, or the gRPC message itself), and it
-does the rest the same way for both: the size limit (413),
+does the rest the same way for both: the size limit (413), the key's rate limits (429),
 parsing and the structure checks (400; bodies over 256 KiB in the checker
 process, :mod:`serve_app.front_door.large_bodies`), routing by ``model`` (404),
 validation with vLLM's request model (:mod:`serve_app.front_door.validation`, 400),
 what the request may cost (:mod:`serve_app.front_door.request_cost`, 400), its
 grammar built first within a time limit (:mod:`serve_app.front_door.grammar_build`, 400), a
 replica place per engine sequence with its key's rank
-(:mod:`serve_app.front_door.capacity`, 429), the key's own prefix cache
-(:mod:`serve_app.front_door.cache_salt`) and the key's rate limits (429).
+(:mod:`serve_app.front_door.capacity`, 429) and the key's own prefix cache
+(:mod:`serve_app.front_door.cache_salt`).
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
 ``settings.generation_slots``).
@@ -112,6 +112,10 @@ async def admit(
     :class:`APIError` the client gets."""
     if body.size > settings.max_request_body_bytes:
         raise APIError(413, f"the request is {body.size} bytes; the limit is {settings.max_request_body_bytes} bytes")
+    # A key's limits before any work its body costs (parsing, the checker, a grammar's build): a key
+    # at its limit gets its 429 for the price of the limiter's answer. (Its place is given back as
+    # the record ends, whatever the request's end.)
+    on_tokens = await admit_key(settings.key_limits, record)
     payload: GenerationRequest
     large = body.size > LARGE_BODY_BYTES
     if large:  # checked in another process: it would stall every stream here
@@ -130,4 +134,4 @@ async def admit(
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = fields if not large else await asyncio.to_thread(lambda: decode_body(body.json()))
-    return Admitted(entry, payload, await admit_key(settings.key_limits, record))
+    return Admitted(entry, payload, on_tokens)

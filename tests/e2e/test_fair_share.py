@@ -10,7 +10,9 @@ A's first), where arrival order (first come, first served) would have put it las
 waiting requests. Every request of both keys completes in full.
 
 With ``rate_limits.max_concurrent_requests`` a key past its requests at once gets 429 while
-another key's request goes ahead; the places come back as requests end. With the shared
+another key's request goes ahead; the places come back as requests end. The 429 comes before
+any work the request's body would cost: one whose grammar takes minutes to build (a 400
+``grammar_too_costly`` once built, with its checker process killed) still gets the key's 429. With the shared
 limiter unreachable (its one replica cannot be placed), the replica holds each key to the
 limit itself.
 """
@@ -123,21 +125,31 @@ async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_with
     await _two_at_once_then_refused(bed)
 
 
+# A grammar llguidance builds item by item, for minutes: the front door's build stops at
+# ingress.max_grammar_build_s with a 400, if it ever starts.
+COSTLY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "costly", "schema": {"type": "array", "maxItems": 1_000_000_000}},
+}
+
+
 async def _two_at_once_then_refused(bed) -> None:
-    """Key A's third request while two are held: 429 naming requests at once; key B's goes ahead;
-    once A's end, A's next is answered."""
+    """Key A's third request while two are held, one whose grammar would cost minutes to build:
+    429 naming requests at once, no build tried; key B's goes ahead; once A's end, A's next is answered."""
     async with httpx.AsyncClient(base_url=bed.app.url, timeout=120) as client:
         async with bed.engines.paused():
             held = [asyncio.create_task(streamed(client, FLOOD_KEY, 4, bed.app.model)) for _ in range(2)]
             await bed.engines.wait_until_holding(2)
             refused = await client.post(
-                "/v1/chat/completions", json=chat(bed.app.model, 4), headers={"Authorization": f"Bearer {FLOOD_KEY}"}
+                "/v1/chat/completions",
+                json=chat(bed.app.model, 4, response_format=COSTLY_FORMAT),
+                headers={"Authorization": f"Bearer {FLOOD_KEY}"},
             )
             other = asyncio.create_task(streamed(client, LIGHT_KEY, 4, bed.app.model))
             await bed.engines.wait_until_holding(3)
         assert [(status, complete) for status, _, complete in await asyncio.gather(*held, other)] == [(200, True)] * 3
         after = await after_retries(client, bed.app.model)
-    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
     error = refused.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and "requests at once" in error["message"]
     assert after[0] == 200 and after[2]

@@ -124,6 +124,19 @@ def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
     assert client.post("/v1/chat/completions", json=CHAT, headers=alpha).status_code == 200
 
 
+def test_a_key_past_its_limit_gets_its_429_before_any_work_its_body_would_cost():
+    """The limits come first: a body never parsed, checked or built a grammar for (here one that
+    would be a 400) still gets the key's 429, and counts against its limit."""
+    limiter = LedgerHandle(RateLedger(requests_per_minute=1, tokens_per_minute=None))
+    client, handle = limited_client([Reply(200, b"{}")], limiter)
+    alpha = bearer("sk-alpha-0123456789ab") | {"Content-Type": "application/json"}
+    not_json = client.post("/v1/chat/completions", content=b"{not json", headers=alpha)
+    assert_openai_error(not_json, 400)  # within the limit: counted, then refused for what it is
+    refused = client.post("/v1/chat/completions", content=b"{not json", headers=alpha)
+    assert assert_openai_error(refused, 429)["code"] == "rate_limit_exceeded"
+    assert handle.payloads == []
+
+
 def test_an_unreachable_limiter_admits_requests():
     client, _ = limited_client([Reply(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
     assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab")).status_code == 200
