@@ -13,8 +13,10 @@ Each limit is a token bucket holding one minute's worth and refilled continuousl
 burst up to its limit, then sustain it. Tokens are charged after the answer (they are not
 known before), so a key's token bucket may go below zero; requests are admitted again once it
 has refilled above zero. A key's requests under way at once are leases, given back when each
-request ends; a lease also expires a minute after the longest answer allowed, so one never
-given back (its replica died) holds no place for long.
+request ends. A lease is short (the front door's ``LEASE_S``) and renewed by the model replica
+holding it while its request runs, so one never given back (its replica died, its release was
+lost, or its admission's answer came too late) holds a place at most that long after its
+request; expired leases are purged with idle keys' buckets.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ class RateLedger:
             self.leases.setdefault(key_id, {})[lease_id] = now + lease_s
         return Decision(True)
 
+    def renew(self, key_id: str, lease_ids: list[str], lease_s: float, *, now: float) -> None:
+        """Extend the key's leases ``lease_ids`` to ``lease_s`` from now; one not held is not taken."""
+        held = self.leases.get(key_id, {})
+        for lease_id in lease_ids:
+            if lease_id in held:
+                held[lease_id] = now + lease_s
+
     def release(self, key_id: str, lease_id: str) -> None:
         """Give back a lease (a request of the key ended)."""
         held = self.leases.get(key_id)
@@ -114,13 +123,17 @@ class RateLedger:
         return bucket
 
     def _forget_idle(self, now: float) -> None:
-        """Drop buckets that are full again: a new bucket for that key would be the same."""
+        """Drop buckets that are full again (a new bucket for that key would be the same), and expired
+        leases, also of keys that never come back."""
         if now - self.forgotten_at < FORGET_EVERY_S:
             return
         self.forgotten_at = now
         for buckets in (self.requests, self.tokens):
             for key_id in [k for k, b in buckets.items() if b.at(now) >= b.capacity]:
                 del buckets[key_id]
+        for key_id in list(self.leases):
+            if not self._live_leases(key_id, now):
+                del self.leases[key_id]
 
 
 @serve.deployment(
@@ -141,6 +154,9 @@ class RateLimiter:
 
     async def charge(self, key_id: str, tokens: int) -> None:
         self.ledger.charge(key_id, tokens, now=time.monotonic())
+
+    async def renew(self, key_id: str, lease_ids: list[str], lease_s: float) -> None:
+        self.ledger.renew(key_id, lease_ids, lease_s, now=time.monotonic())
 
     async def release(self, key_id: str, lease_id: str) -> None:
         self.ledger.release(key_id, lease_id)

@@ -3,7 +3,10 @@
 The counts live in one deployment (:class:`serve_app.deployments.rate_limiter.RateLimiter`,
 shared by every model replica; each key's in one of its replicas). A key's requests under way
 at once are leases: the front door takes one as it admits a request and gives it back when the
-request's record ends (every request ends one, whatever became of it).
+request's record ends (every request ends one, whatever became of it). A lease lasts
+:data:`LEASE_S` at the limiter and is renewed while its request runs, so a place never given back
+(a replica that died, a release lost, an admission the limiter answered after the front door had
+stopped waiting) is held at most that long after its request.
 
 If the limiter cannot be reached, the request and token rates are not checked
 and a warning is logged: an outage of the bookkeeping must not become an outage
@@ -27,6 +30,8 @@ from serve_app.front_door.record import KeyLease, RequestRecord
 logger = logging.getLogger("ray.serve")
 
 LIMITER_TIMEOUT_S = 2.0  # an admission waits this long for the limiter, then goes ahead
+LEASE_S = 30.0  # how long the limiter keeps a place its model replica no longer renews
+RENEW_EVERY_S = LEASE_S / 3  # each replica renews the leases of its requests under way this often
 
 
 CONCURRENT = "requests at once"
@@ -74,6 +79,9 @@ class LimiterHandle(Protocol):
     def charge(self) -> RemoteMethod: ...
 
     @property
+    def renew(self) -> RemoteMethod: ...
+
+    @property
     def release(self) -> RemoteMethod: ...
 
 
@@ -83,13 +91,15 @@ class KeyLimits:
     while the limiter cannot be reached; ``lease_s`` how long the limiter holds a place not given back."""
 
     def __init__(
-        self, limiter: LimiterHandle, counts_tokens: bool, max_concurrent: int | None = None, lease_s: float = 660.0
+        self, limiter: LimiterHandle, counts_tokens: bool, max_concurrent: int | None = None, lease_s: float = LEASE_S
     ) -> None:
         self.limiter = limiter
         self.counts_tokens = counts_tokens  # whether answers must report their usage
         self.max_concurrent = max_concurrent
         self.lease_s = lease_s
         self.held: Counter[str] = Counter()  # each key's requests under way in this replica
+        self.leases: dict[str, set[str]] = {}  # each key's lease ids the limiter may hold: renewed until they end
+        self._renewer: asyncio.Task[None] | None = None
         self._calls: set[asyncio.Task[None]] = set()
 
     async def admit(self, key_id: str) -> KeyLease | None:
@@ -113,15 +123,30 @@ class KeyLimits:
         if lease_id is None:
             return None
         self.held[key_id] += 1
+        # Renewed (and given back) also when the limiter did not answer: its answer may come late.
+        self.leases.setdefault(key_id, set()).add(lease_id)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
         return KeyLease(key_id, lease_id, at_limiter)
 
     def ended(self, lease: KeyLease) -> None:
-        """A request holding ``lease`` ended: its place is free again, here and at the limiter."""
+        """A request holding ``lease`` ended: its place is free again, here and at the limiter (a
+        lease the limiter never took is no lease there: giving it back changes nothing)."""
         self.held[lease.key_id] -= 1
         if not self.held[lease.key_id]:
             del self.held[lease.key_id]
-        if lease.at_limiter:
-            self._call("release", lease.key_id, lease.lease_id)
+        held = self.leases.get(lease.key_id, set())
+        held.discard(lease.lease_id)
+        if not held:
+            self.leases.pop(lease.key_id, None)
+        self._call("release", lease.key_id, lease.lease_id)
+
+    async def _renew_while_held(self) -> None:
+        """Renew every lease of this replica's requests under way, each ``RENEW_EVERY_S``, until none is."""
+        while self.leases:
+            await asyncio.sleep(RENEW_EVERY_S)  # (a period: the lease's own clock runs at the limiter)
+            for key_id, lease_ids in list(self.leases.items()):
+                self._call("renew", key_id, sorted(lease_ids), self.lease_s)
 
     def request_ended(self, record: RequestRecord) -> None:
         """An observer of every request's end (see :func:`serve_app.front_door.record.end_record`)."""

@@ -35,7 +35,7 @@ class KeyLease:
 
     key_id: str
     lease_id: str
-    at_limiter: bool  # False: taken while the limiter could not be reached (this replica's count only)
+    at_limiter: bool  # False: the limiter did not answer in time (held by this replica's count; it may hold it too)
 
 
 class Phase(enum.Enum):

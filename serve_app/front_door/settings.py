@@ -56,9 +56,6 @@ class IngressSettings:
         return observers + ([log_request] if self.log_requests else [])
 
 
-LEASE_MARGIN_S = 60.0  # a place at the limiter outlives the longest answer by this (never given back: it expires)
-
-
 def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimits | None:
     limits = config.ingress.rate_limits
     if limits is None or rate_limiter is None:
@@ -67,7 +64,6 @@ def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimi
         rate_limiter,
         counts_tokens=limits.tokens_per_minute is not None,
         max_concurrent=limits.max_concurrent_requests,
-        lease_s=config.ingress.request_timeout_s + LEASE_MARGIN_S,
     )
 
 

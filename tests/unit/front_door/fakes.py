@@ -173,6 +173,7 @@ class LedgerHandle:
                 return handle.call(self.name, *args)
 
         self.admit, self.charge, self.release = Call("admit"), Call("charge"), Call("release")
+        self.renew = Call("renew")
 
     def options(self, *, session_id: str) -> LedgerHandle:
         self.session_id = session_id  # (the calls that follow are sent at once, as a handle's)

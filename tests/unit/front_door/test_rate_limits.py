@@ -16,11 +16,13 @@ from serve_app.config import AppConfig, ConfigError, parse_app_config
 from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.engine.stream_transforms import OutcomeTap
 from serve_app.errors import APIError
+from serve_app.front_door import rate_limits
 from serve_app.front_door.auth import APIKeys
 from serve_app.front_door.rate_limits import Decision, KeyLimits, rate_limited
 from serve_app.protocol import Outcome, Reply
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, KEYS, LedgerHandle, client_for
+from tests.waiting import wait_until
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -91,6 +93,24 @@ def test_a_key_holds_at_most_its_concurrent_requests_each_lease_given_back_or_ex
     assert ledger.admit("a", "l7", 100.0, now=100.0).allowed  # l2, never given back, expired
     ledger.release("a", "unknown")  # (given back twice, or after it expired: no effect)
     assert set(ledger.leases["a"]) == {"l5", "l7"}
+
+
+def test_a_renewed_lease_lives_on_and_a_renewal_never_takes_a_place():
+    ledger = RateLedger(requests_per_minute=None, tokens_per_minute=None, max_concurrent=1)
+    assert ledger.admit("a", "l1", 30.0, now=0.0).allowed
+    ledger.renew("a", ["l1", "never-taken"], 30.0, now=20.0)
+    assert ledger.leases["a"] == {"l1": 50.0}
+    assert not ledger.admit("a", "l2", 30.0, now=45.0).allowed  # still held: renewed
+    assert ledger.admit("a", "l3", 30.0, now=50.0).allowed  # not renewed again: gone at 50
+    ledger.renew("b", ["l9"], 30.0, now=50.0)  # a key holding nothing
+    assert "b" not in ledger.leases
+
+
+def test_expired_leases_of_keys_that_never_come_back_are_purged():
+    ledger = RateLedger(requests_per_minute=None, tokens_per_minute=None, max_concurrent=2)
+    assert ledger.admit("gone", "l1", 30.0, now=0.0).allowed
+    assert ledger.admit("b", "l2", 30.0, now=100.0).allowed  # any admission, a minute on
+    assert set(ledger.leases) == {"b"}
 
 
 def test_a_refused_request_takes_no_lease_and_no_request_from_the_bucket():
@@ -178,7 +198,8 @@ async def test_every_call_names_its_key_as_the_session_the_limiters_router_keeps
 
 
 async def test_while_the_limiter_is_unreachable_each_replica_holds_a_key_to_the_limit_itself():
-    limits = KeyLimits(LedgerHandle(fail=ConnectionError("gone")), counts_tokens=False, max_concurrent=2)
+    limiter = LedgerHandle(fail=ConnectionError("gone"))
+    limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=2)
     leases = [await limits.admit("a"), await limits.admit("a")]
     assert all(lease is not None and not lease.at_limiter for lease in leases)
     with pytest.raises(APIError):
@@ -187,8 +208,53 @@ async def test_while_the_limiter_is_unreachable_each_replica_holds_a_key_to_the_
     for lease in leases:
         assert lease is not None
         limits.ended(lease)
-    assert limits._calls == set()  # nothing to give back at a limiter that never took it
+    assert limits.held == {"b": 1}
+    # Given back there too: the limiter may have taken a lease whose answer never came.
+    await asyncio.gather(*limits._calls)
+    assert [method for _, method, _ in limiter.sessions].count("release") == 2
     assert await limits.admit("a") is not None
+
+
+class LateLimiter(LedgerHandle):
+    """A limiter whose answers come after the front door stopped waiting, though it took the lease."""
+
+    def call(self, name: str, *args: Any) -> Any:
+        if name != "admit":
+            return super().call(name, *args)
+        taken = asyncio.get_running_loop().create_future()
+        ledger = self.ledger
+        assert ledger is not None
+
+        async def answer_late() -> None:
+            await asyncio.sleep(0.05)  # (the limiter's answer, slower than the front door's wait)
+            decision = ledger.admit(*args, now=self.now)  # taken, whoever still waits for it
+            if not taken.done():
+                taken.set_result(decision)
+
+        self.late = asyncio.get_running_loop().create_task(answer_late())
+        return taken
+
+
+async def test_a_lease_the_limiter_took_after_the_front_door_stopped_waiting_is_renewed_and_given_back(
+    monkeypatch,
+):
+    monkeypatch.setattr(rate_limits, "LIMITER_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(rate_limits, "RENEW_EVERY_S", 0.01)
+    limiter = LateLimiter(RateLedger(requests_per_minute=None, tokens_per_minute=None, max_concurrent=1))
+    limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=1)
+    lease = await limits.admit("a")
+    assert lease is not None and not lease.at_limiter
+    await limiter.late
+    assert limiter.ledger is not None and set(limiter.ledger.leases["a"]) == {lease.lease_id}  # taken there after all
+
+    async def renewed() -> bool:
+        return ("a", "renew", "a") in limiter.sessions
+
+    await wait_until(renewed, 5, "the lease renewed while its request runs")
+    limits.ended(lease)
+    await asyncio.gather(*limits._calls)
+    assert limiter.ledger.leases == {} and limits.leases == {}
+    await wait_until(lambda: limits._renewer is not None and limits._renewer.done(), 5, "renewals stopped")
 
 
 def test_a_requests_place_is_given_back_when_it_ends_whatever_its_answer():
