@@ -268,7 +268,11 @@ class BodyChecker:
     async def _start(self) -> tuple[ProcessPoolExecutor, int]:
         pool = ProcessPoolExecutor(max_workers=1, mp_context=checker_context(), initializer=self._warm)
         try:
-            pid = await asyncio.wrap_future(pool.submit(os.getpid))  # once warm: a time limit does not count the start
+            # The process starts inside submit, through the forkserver, whose answer waits until it has
+            # imported what it preloads (seconds, the first time on a replica): in a thread, or every
+            # stream of this replica would stall meanwhile.
+            started = await asyncio.to_thread(pool.submit, os.getpid)
+            pid = await asyncio.wrap_future(started)  # once warm: a time limit does not count the start
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise

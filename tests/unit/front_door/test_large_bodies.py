@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing.context
 import os
 import pickle
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -265,6 +268,31 @@ def import_this_module() -> None:
 
 def warm_slowly() -> None:
     time.sleep(2)  # a start slower than the limit, as importing vLLM is
+
+
+async def test_no_checker_process_is_started_on_the_event_loops_thread(monkeypatch):
+    """A process starts through the forkserver, which answers only once it has imported what it
+    preloads (seconds, a replica's first time): on the event loop, every stream would stall meanwhile."""
+    started_in: list[threading.Thread] = []
+    start = multiprocessing.context.ForkServerProcess.start
+
+    def recorded_start(process: Any) -> None:
+        started_in.append(threading.current_thread())
+        start(process)
+
+    monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", recorded_start)
+    checker = BodyChecker(answer_with_pid, warm=None, build=build_until_killed)
+    try:
+        with pytest.raises(APIError):
+            await checker.check(BaseModel, b"")
+        with pytest.raises(APIError):  # killed past its limit: another process is started
+            await checker.build_grammar(b"forever", 0.2, "structured_outputs")
+        with pytest.raises(APIError):
+            await checker.check(BaseModel, b"")
+    finally:
+        checker.close()
+    assert len(started_in) == 2
+    assert threading.main_thread() not in started_in  # (this test's loop runs on the main thread)
 
 
 async def test_the_time_limit_does_not_count_the_process_start():
