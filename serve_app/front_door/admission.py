@@ -72,12 +72,14 @@ def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: Ingress
     check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
 
 
-async def build_grammar_first(settings: IngressSettings, payload: GenerationRequest, size: BodySize) -> None:
+async def build_grammar_first(
+    settings: IngressSettings, payload: GenerationRequest, size: BodySize, key_id: str | None
+) -> None:
     """Build the request's grammar in the checker process, within ``ingress.max_grammar_build_s``
-    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`)."""
+    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`), in its key's turn."""
     if size.grammar_chars and settings.costs.max_grammar_build_s is not None:
         await settings.body_checker.build_grammar(
-            pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param
+            pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param, key_id
         )
 
 
@@ -119,14 +121,14 @@ async def admit(
     payload: GenerationRequest
     large = body.size > LARGE_BODY_BYTES
     if large:  # checked in another process: it would stall every stream here
-        checked = await settings.body_checker.check(endpoint.request_model, *body.for_checker())
+        checked = await settings.body_checker.check(endpoint.request_model, *body.for_checker(), record.key_id)
         fields, payload, size = checked.fields, checked.request, checked.size
         entry = models.entry_for(fields.get("model"))
         check_limits(fields, entry, settings, size)
     else:
         fields = decode_body(body.json())
         entry, payload, size = validated(models, settings, endpoint, fields)
-    await build_grammar_first(settings, payload, size)
+    await build_grammar_first(settings, payload, size, record.key_id)
     record.model = entry.name
     payload = hold_sequences(hold, fields, size, payload, record)
     if settings.isolate_prefix_cache and record.key_id is not None:

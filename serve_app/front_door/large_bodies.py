@@ -18,8 +18,10 @@ replaced in well under a second, where a fresh process spends seconds of CPU imp
 vLLM again, so a grammar past its limit costs the replica its limit and little more.
 
 At most :data:`MAX_WAITING` large bodies and :data:`MAX_WAITING_GRAMMARS` grammars are
-checked or waiting per model replica; more are refused with 429, so a flood of them
-holds bounded memory and delays only large bodies and grammars.
+checked or waiting per model replica, and one API key holds at most half of either; more are
+refused with 429, so a flood of them holds bounded memory and delays only large bodies and
+grammars. The turns at the process go round the keys (:mod:`serve_app.front_door.checker_turns`):
+one key's costly specs delay another key's job by at most one of theirs.
 
 Runs in each model replica, and in the checker process each model replica starts.
 """
@@ -33,16 +35,18 @@ import multiprocessing
 import os
 import pickle
 import signal
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
+from serve_app.front_door.checker_turns import TakeTurns
 from serve_app.front_door.grammar_build import build_grammar
 from serve_app.front_door.grammar_build import warm_up as warm_up_grammars
 from serve_app.front_door.json_body import decode_body
@@ -161,11 +165,22 @@ async def within_cpu_time(done: asyncio.Future[Any], pid: int, limit_s: float) -
 
 @dataclass
 class Waiting:
-    """Jobs of one kind running or waiting their turn in the checker process, and how many may."""
+    """Jobs of one kind running or waiting their turn in the checker process, and how many may
+    (one API key: half of them)."""
 
     what: str  # as a refusal names them
     limit: int
     count: int = 0
+    by_key: Counter[str | None] = field(default_factory=Counter)
+
+    def full_for(self, key: str | None) -> bool:
+        return self.count >= self.limit or (key is not None and self.by_key[key] >= max(1, self.limit // 2))
+
+    def add(self, key: str | None, change: int) -> None:
+        self.count += change
+        self.by_key[key] += change
+        if not self.by_key[key]:
+            del self.by_key[key]
 
 
 class BodyChecker:
@@ -185,24 +200,27 @@ class BodyChecker:
         self._warm = warm
         self._build = build
         self._process: tuple[ProcessPoolExecutor, int] | None = None  # the pool and its one process's pid
-        self._one_at_a_time = asyncio.Lock()
+        self._one_at_a_time = TakeTurns()  # turns round the API keys with jobs waiting
         self._turns: set[asyncio.Future[Any]] = set()  # jobs running or waiting their turn
         self._bodies = Waiting("large request bodies", MAX_WAITING)
         self._grammars = Waiting("grammars", MAX_WAITING_GRAMMARS)
 
-    async def check(self, request_model: type[BaseModel], raw: bytes, to_json: ToJSON | None = None) -> CheckedBody:
-        """The checked body, or the :class:`APIError` a client gets (400, 429, 500)."""
-        result = await self._run(self._bodies, self._check, request_model, raw, to_json)
+    async def check(
+        self, request_model: type[BaseModel], raw: bytes, to_json: ToJSON | None = None, key: str | None = None
+    ) -> CheckedBody:
+        """The checked body of a request of API key ``key`` (None: no keys), or the :class:`APIError`
+        a client gets (400, 429, 500)."""
+        result = await self._run(self._bodies, key, self._check, request_model, raw, to_json)
         if isinstance(result, APIError):
             raise result
         return result
 
-    async def build_grammar(self, request: bytes, time_limit_s: float, param: str) -> None:
+    async def build_grammar(self, request: bytes, time_limit_s: float, param: str, key: str | None = None) -> None:
         """Build the grammar of ``request`` (pickled) within ``time_limit_s``, or refuse it: 400
         ``grammar_too_costly`` past the limit, 400 ``invalid_grammar`` if it cannot be built, each
         naming ``param`` (429 and 500 as :meth:`check`)."""
         try:
-            error = await self._run(self._grammars, self._build, request, time_limit_s=time_limit_s)
+            error = await self._run(self._grammars, key, self._build, request, time_limit_s=time_limit_s)
         except TimeoutError:
             raise APIError(
                 400,
@@ -220,27 +238,38 @@ class BodyChecker:
             )
 
     async def _run(
-        self, waiting: Waiting, job: Callable[..., Any], *args: Any, time_limit_s: float | None = None
+        self,
+        waiting: Waiting,
+        key: str | None,
+        job: Callable[..., Any],
+        *args: Any,
+        time_limit_s: float | None = None,
     ) -> Any:
-        if waiting.count >= waiting.limit:
+        if waiting.full_for(key):
+            whose = "this server is" if waiting.count >= waiting.limit else "this API key's requests are"
             raise APIError(
                 429,
-                f"this server is already checking {waiting.limit} {waiting.what}; retry shortly",
+                f"{whose} already having {waiting.what} checked here; retry shortly",
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
-        waiting.count += 1
+        waiting.add(key, 1)
         # A job goes on, within its limit, when its client leaves: the next job's limit counts only its own.
-        turn = asyncio.ensure_future(self._run_in_turn(waiting, job, args, time_limit_s))
+        turn = asyncio.ensure_future(self._run_in_turn(waiting, key, job, args, time_limit_s))
         self._turns.add(turn)
         turn.add_done_callback(self._turn_ended)
         return await asyncio.shield(turn)
 
     async def _run_in_turn(
-        self, waiting: Waiting, job: Callable[..., Any], args: tuple[Any, ...], time_limit_s: float | None
+        self,
+        waiting: Waiting,
+        key: str | None,
+        job: Callable[..., Any],
+        args: tuple[Any, ...],
+        time_limit_s: float | None,
     ) -> Any:
         try:
-            async with self._one_at_a_time:  # so a time limit counts only its own job
+            async with self._one_at_a_time.turn(key):  # so a time limit counts only its own job
                 pool, pid = self._process or await self._start()
                 done = asyncio.wrap_future(pool.submit(job, *args))
                 if time_limit_s is None:
@@ -258,7 +287,7 @@ class BodyChecker:
             self._stop()
             raise APIError(500, "the request could not be checked", code="internal_error") from None
         finally:
-            waiting.count -= 1
+            waiting.add(key, -1)
 
     def _turn_ended(self, turn: asyncio.Future[Any]) -> None:
         self._turns.discard(turn)

@@ -130,6 +130,29 @@ async def test_grammars_wait_their_turn_up_to_their_own_bound_then_429(tmp_path:
         checker.close()
 
 
+async def test_one_key_holds_at_most_half_of_the_grammars_waiting_and_others_keep_theirs(tmp_path: Path):
+    """A key flooding the checker with specs is refused past half of its places, and another key still
+    gets one (in what order turns come: test_checker_turns.py)."""
+    checker = BodyChecker(warm=None, build=build_waiting_for_file)
+    release = tmp_path / "release"
+    share = MAX_WAITING_GRAMMARS // 2
+    try:
+        flood = [
+            asyncio.create_task(checker.build_grammar(str(release).encode(), 60, "x", key="flood"))
+            for _ in range(share)
+        ]
+        await asyncio.sleep(0)  # one turn of the loop: each task counts itself as waiting, then awaits
+        with pytest.raises(APIError) as refused:
+            await checker.build_grammar(str(release).encode(), 60, "x", key="flood")
+        assert (refused.value.status, refused.value.code) == (429, "overloaded")
+        assert "API key" in refused.value.message
+        other = asyncio.create_task(checker.build_grammar(str(release).encode(), 60, "x", key="other"))
+        release.touch()
+        assert await asyncio.gather(*flood, other) == [None] * (share + 1)
+    finally:
+        checker.close()
+
+
 async def test_a_checker_process_that_dies_costs_its_body_a_500_and_is_replaced():
     checker = BodyChecker(die, warm=None)
     try:
