@@ -338,8 +338,14 @@ async def test_a_real_engine_process_that_dies_ends_its_streams_with_an_error_ev
         assert attempt == 1, [(s.status, s.events[-1:]) for s in results]
         await single_replica(one_replica)
     print(f"{cut} of {STREAMS} streams were cut by the engine's death, each with an error event")
-    # Each request the dead engine held was answered once (never sent to another replica).
+    # Each request the dead engine held was answered once (never sent to another replica). The
+    # replica writes a request's line as its record ends, just after the client read its last event.
     session_dir = ray._private.worker.global_worker.node.get_session_dir_path()
-    logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
-    failed = [line for line in logged.values() if line.get("error") == "engine_failed"]
-    assert failed and all(line["attempts"] == 1 for line in failed), failed
+
+    async def logged_as_failed() -> list[dict] | None:
+        logged = await asyncio.to_thread(request_log_lines, session_dir, app.name)
+        failed = [line for line in logged.values() if line.get("error") == "engine_failed"]
+        return failed if len(failed) >= cut else None
+
+    failed = await wait_until(logged_as_failed, 30, f"the {cut} cut requests logged as engine_failed")
+    assert all(line["attempts"] == 1 for line in failed), failed
