@@ -21,7 +21,7 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model prometheus k8s-sync lock proto clean
+.PHONY: install serve test lint unit e2e bench tiny-model servers k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -94,9 +94,9 @@ serve: install tiny-model
 	$(BIN)/python -m tools.ready_line $(CONFIG) & \
 	env $$($(BIN)/python -m tools.cluster_env) $(BIN)/serve run --address auto $(CONFIG)
 
-# Debian's Prometheus, for the dashboard and alerting-rule test (apt, as root or with sudo).
-prometheus:
-	tools/install-prometheus
+# Debian's Prometheus and Redis, which the tests start (apt, as root or with sudo).
+servers:
+	tools/install-servers
 
 
 # The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
@@ -118,12 +118,12 @@ endif
 # controller and Ray's metrics agent whenever both wanted them (docs/testing.md).
 UNIT_NICENESS := 15
 
-unit: install tiny-model $(SCAN_STAMP) prometheus
+unit: install tiny-model $(SCAN_STAMP) servers
 	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
 	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
-e2e: install tiny-model $(CLIENTS_STAMP) prometheus
+e2e: install tiny-model $(CLIENTS_STAMP) servers
 	$(if $(SUITE_MARKS),E2E_APPS_UP=$(SUITE_MARKS).apps-up E2E_AFTER_UNIT_TESTS=$(SUITE_MARKS).unit-ended) \
 	$(BIN)/python -m pytest -v --durations=0 tests/e2e; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).apps-up;) exit $$status

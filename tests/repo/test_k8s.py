@@ -264,15 +264,22 @@ def test_the_policies_select_the_ray_pods(name):
     assert all(policy["spec"]["podSelector"]["matchLabels"].items() <= lab.items() for lab in labels)
     # ...and the label KubeRay puts on every pod of a RayCluster.
     assert policy["spec"]["podSelector"]["matchExpressions"] == [{"key": "ray.io/cluster", "operator": "Exists"}]
-    budgets = {
-        d["spec"]["selector"]["matchLabels"].get("ray.io/group"): d for d in docs if d["kind"] == "PodDisruptionBudget"
-    }
-    assert sorted(budgets) == ["cpu", "gpu"]  # one per worker group (KubeRay's label ray.io/group)
+    ray_budgets = [
+        d
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget" and d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/part-of")
+    ]
+    budgets = {d["spec"]["selector"]["matchLabels"].get("ray.io/group", "head"): d for d in ray_budgets}
+    assert sorted(budgets) == ["cpu", "gpu", "head"]  # one per worker group (KubeRay's label ray.io/group)
     for group_name, group in worker_groups(rayservice).items():
         wanted = dict(budgets[group_name]["spec"]["selector"]["matchLabels"])
         wanted.pop("ray.io/group")
         assert wanted.items() <= group["template"]["metadata"]["labels"].items()
         assert budgets[group_name]["spec"]["maxUnavailable"] == 1
+    # The head: by the label KubeRay gives it (ray.io/node-type), and never evicted.
+    head_labels = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert budgets["head"]["spec"]["selector"]["matchLabels"] == head_labels | {"ray.io/node-type": "head"}
+    assert budgets["head"]["spec"]["maxUnavailable"] == 0
 
 
 @pytest.mark.parametrize("name", DOCUMENT_SETS)

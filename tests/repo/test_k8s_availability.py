@@ -140,28 +140,67 @@ def test_the_incremental_upgrade_passes_kuberays_validation():
     assert options["intervalSeconds"] > 0 and options["gatewayClassName"]
 
 
-@pytest.mark.parametrize("name", ["production", "production-incremental"])
+REDIS_SETS = ["production", "production-incremental", "fp8"]
+
+
+def redis_pod(name: str) -> tuple[dict, dict]:
+    """The Redis StatefulSet of a set and its pod template."""
+    (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet"]
+    return redis, redis["spec"]["template"]
+
+
+@pytest.mark.parametrize("name", REDIS_SETS)
 def test_the_head_keeps_its_state_in_redis(name):
-    """GCS fault tolerance: the address is this set's Redis Service, the password the Secret Redis reads."""
+    """GCS fault tolerance: the address is the Sentinels' Service (Ray's GCS asks a Sentinel for the
+    primary), the password the Secret that Redis and the Sentinels read."""
     docs = documents(name)
     (rayservice,) = rayservices(name)
     options = rayservice["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
     host, port = options["redisAddress"].split(":")
     (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == host]
-    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
-    (redis,) = [d for d in docs if d["kind"] == "StatefulSet"]
-    pod = redis["spec"]["template"]
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["port"] == int(port)
+    _, pod = redis_pod(name)
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (sentinel,) = [c for c in pod["spec"]["containers"] if c["name"] == "sentinel"]
+    assert service_port["targetPort"] in {p["name"] for p in sentinel["ports"]}
     secret = options["redisPassword"]["valueFrom"]["secretKeyRef"]
-    (container,) = pod["spec"]["containers"]
     (auth,) = [v for v in pod["spec"]["volumes"] if v.get("secret", {}).get("secretName") == secret["name"]]
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == auth["name"]]
-    command = " ".join(container["command"])
-    assert f'--requirepass "$(cat {mount["mountPath"]}/{secret["key"]})"' in command
-    # Its data survive a restart of the Redis pod: append-only file on a volume of its own.
-    assert "--appendonly yes" in command and "--dir /data" in command
-    (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
+    for container in pod["spec"]["containers"]:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == auth["name"]]
+        assert env["REDIS_PASSWORD_FILE"] == f"{mount['mountPath']}/{secret['key']}"
+
+
+@pytest.mark.parametrize("name", REDIS_SETS)
+def test_the_redis_set_has_no_single_pod(name):
+    """Three pods, one a node, one evicted at a time; each Redis's data on a volume of its own.
+    (That a primary's loss is survived, by the scripts shipped here, is proven on real processes in
+    tests/e2e/test_gcs_store.py.)"""
+    redis, pod = redis_pod(name)
+    assert redis["spec"]["replicas"] == 3
+    (spread,) = [c for c in pod["spec"]["topologySpreadConstraints"] if c["topologyKey"] == "kubernetes.io/hostname"]
+    assert spread["whenUnsatisfiable"] == "DoNotSchedule" and spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (budget,) = [
+        d
+        for d in documents(name)
+        if d["kind"] == "PodDisruptionBudget"
+        and d["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ]
+    assert budget["spec"]["maxUnavailable"] == 1
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "redis"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["DATA_DIR"]]
     assert data["name"] in {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
+    # The pods' own names resolve before they are ready: the scripts find each other by them.
+    (headless,) = [
+        d for d in documents(name) if d["kind"] == "Service" and d["metadata"]["name"] == redis["spec"]["serviceName"]
+    ]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    sentinels = env["SENTINELS"].split()
+    assert sentinels == [f"{redis['metadata']['name']}-{i}.{headless['metadata']['name']}:26379" for i in range(3)]
+    assert env["SEED_HOST"] == f"{redis['metadata']['name']}-0.{headless['metadata']['name']}"
 
 
 @pytest.mark.parametrize("name", ["base", "single-gpu"])

@@ -70,12 +70,12 @@ def test_the_pod_monitor_scrapes_every_ray_pod_on_its_metrics_port(overlay):
 
 
 def test_promtool_accepts_the_rules(tmp_path):
-    """Prometheus's own checker (Debian's prometheus package, `make prometheus`) reads every rule."""
+    """Prometheus's own checker (Debian's prometheus package, `make servers`) reads every rule."""
     import shutil
     import subprocess
 
     promtool = shutil.which("promtool")
-    assert promtool is not None, "promtool is not installed: run tools/install-prometheus (make prometheus)"
+    assert promtool is not None, "promtool is not installed: run tools/install-servers (make servers)"
     groups = yaml.safe_load((MONITORING / "prometheus-rules.yaml").read_text())["spec"]["groups"]
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump({"groups": groups}))

@@ -233,10 +233,11 @@ def test_root_filesystems_are_read_only_and_uids_are_high(name):
         assert spec["securityContext"]["runAsUser"] >= 10000 and spec["securityContext"]["runAsNonRoot"] is True
         for container in spec["containers"]:
             assert container["securityContext"]["readOnlyRootFilesystem"] is True, container["name"]
-            if container["name"] == "redis":
-                continue  # writes only its data volume
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            assert env["HOME"].startswith("/tmp/")
+            if container["image"].startswith("redis"):  # Redis and Sentinel: no HOME, config in /tmp
+                assert env["CONF_DIR"] == "/tmp"
+            else:
+                assert env["HOME"].startswith("/tmp/")
             (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
             assert volume_sources(spec)[tmp["name"]]["emptyDir"]["sizeLimit"]
 
@@ -244,7 +245,8 @@ def test_root_filesystems_are_read_only_and_uids_are_high(name):
 HEAD = RAY_POD | {"ray.io/node-type": "head"}
 REDIS_CLEANUP = RAY_POD | {"ray.io/node-type": "redis-cleanup"}  # KubeRay's Job: a copy of the head pod
 
-# (who, admitted) to Redis's port 6379: the GCS on the head, and KubeRay's clean-up Job only.
+# (who, admitted) to Redis's and the Sentinels' ports: the GCS on the head, KubeRay's clean-up Job,
+# and the Redis pods themselves (replication, the Sentinels' watch) only.
 REDIS_REACHABILITY = [
     (Peer(APP_NAMESPACE, HEAD), True),
     (Peer(APP_NAMESPACE, REDIS_CLEANUP), True),
@@ -253,18 +255,22 @@ REDIS_REACHABILITY = [
     (Peer("elsewhere", HEAD), False),
     (Peer("kuberay", OPERATOR), False),
     (Peer("elsewhere"), False),
+    (Peer(APP_NAMESPACE, {"app.kubernetes.io/name": "glm4-serve-redis"}), True),
+    (Peer("elsewhere", {"app.kubernetes.io/name": "glm4-serve-redis"}), False),
 ]
 
 
 @pytest.mark.parametrize("name", ["production", "production-incremental"])
+@pytest.mark.parametrize("port", [6379, 26379])
 @pytest.mark.parametrize(
-    ("peer", "admitted"), REDIS_REACHABILITY, ids=[case_id((p, 6379, a)) for p, a in REDIS_REACHABILITY]
+    ("peer", "admitted"), REDIS_REACHABILITY, ids=[case_id((p, 0, a)) for p, a in REDIS_REACHABILITY]
 )
-def test_only_the_gcs_reaches_redis(name, peer, admitted):
-    """Redis's own policy admits the head and KubeRay's clean-up Job; the Ray pods' policy does not select Redis."""
+def test_only_the_gcs_reaches_redis(name, port, peer, admitted):
+    """Redis's own policy admits the head, KubeRay's clean-up Job and the Redis pods; the Ray pods'
+    policy does not select Redis."""
     (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet"]
     redis_pod = redis["spec"]["template"]["metadata"]["labels"]
     policy = network_policy(name, "glm4-serve-redis")
     assert selects(policy["spec"]["podSelector"], redis_pod)
     assert not selects(network_policy(name)["spec"]["podSelector"], redis_pod)
-    assert admits(policy, peer, 6379) is admitted
+    assert admits(policy, peer, port) is admitted

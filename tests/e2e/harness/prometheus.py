@@ -1,6 +1,6 @@
 """A real Prometheus server scraping the app's cluster, for the dashboard and alert tests.
 
-The binary is Debian's ``prometheus`` package (``tools/install-prometheus``, which ``make
+The binary is Debian's ``prometheus`` package (``tools/install-servers``, which ``make
 test`` runs, installs it; ``promtool`` ships with it). It scrapes Ray's metrics endpoint
 every SCRAPE_INTERVAL_S and evaluates the rule files it is given as often.
 """
@@ -31,7 +31,7 @@ SCRAPE_INTERVAL_S = 3
 def prometheus_binary(name: str = "prometheus") -> str:
     path = shutil.which(name)
     if path is None:
-        raise RuntimeError(f"{name} is not installed: run tools/install-prometheus (Debian's prometheus package)")
+        raise RuntimeError(f"{name} is not installed: run tools/install-servers (Debian's prometheus package)")
     return path
 
 

@@ -147,6 +147,7 @@ class RayCluster:
     # The environment Ray starts with: Serve's cluster settings as `make serve` has them (HAProxy on),
     # the suite's timers shortened; empty for Ray's own defaults, as under a bare `serve run`.
     settings: dict[str, str] = field(default_factory=suite_cluster_env)
+    start_args: tuple[str, ...] = ()  # more of `ray start`'s options (e.g. --redis-password)
     process: subprocess.Popen | None = None
 
     @property
@@ -172,12 +173,17 @@ class RayCluster:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path), "RAY_ADDRESS": self.address}
 
     def start(self) -> None:
+        """Start the head; again after it stopped, as a restarted head pod does (the same token)."""
         from ray._private.authentication.authentication_token_generator import (
             generate_new_authentication_token,
         )
 
-        self.token_path.write_text(generate_new_authentication_token())
-        self.token_path.chmod(0o600)
+        if not self.token_path.exists():
+            self.token_path.write_text(generate_new_authentication_token())
+            self.token_path.chmod(0o600)
+        # `ray start` writes the cluster's address there once the head is up.
+        ready = self.root / "ray" / "ray_current_cluster"
+        ready.unlink(missing_ok=True)
         ray_cli = Path(sys.executable).with_name("ray")
         log = (self.root / "ray-start.log").open("w")
         self.process = subprocess.Popen(
@@ -203,6 +209,7 @@ class RayCluster:
                 str(free_port()),
                 "--dashboard-agent-listen-port",
                 str(self.agent_port),
+                *self.start_args,
             ],
             # Its settings (as `make serve` starts Ray, timers shortened), on this cluster's own ports.
             env=os.environ | self.settings | self.serve_ports | self.env,
@@ -210,8 +217,6 @@ class RayCluster:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        # `ray start` writes the cluster's address there once the head is up.
-        ready = self.root / "ray" / "ray_current_cluster"
         process = self.process
 
         def up() -> bool:
