@@ -231,7 +231,8 @@ class IngressConfig(StrictModel):
         default=30.0,
         gt=0,
         description="GET /health answers from Serve's status, read in the background every second; "
-        "if the Serve controller has not answered for this long, /health answers 503.",
+        "if the Serve controller has not answered for this long (its head pod gone, or stalled), "
+        "each replica answers for itself instead: 200 while its own engine serves, 503 once it failed.",
     )
     request_timeout_s: float = Field(
         default=600.0,

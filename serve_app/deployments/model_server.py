@@ -93,6 +93,7 @@ class ModelServer:
             partial(replica_states, context.app_name, (model.deployment_name,)),
             {model.name: model.deployment_name},
             max_age_s=config.ingress.health_max_age_s,
+            engine_serves=lambda: not self.engine.watch.failed,
         )
         self.grpc = GenerationService(self.models, self.settings, default_endpoints(), self.readiness)
 

@@ -109,18 +109,18 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """Readiness: 200 only when every configured model has a running, healthy replica.
+    """Readiness: 200 only when every configured model has a running, healthy replica; while
+    Serve's controller does not answer, when this replica's engine serves.
 
     Answered from what :mod:`serve_app.front_door.readiness` last read, never by asking the
-    controller; ``age_s`` says how old that is.
+    controller; ``age_s`` says how old that is, ``controller_reachable`` whether it is too old.
     """
     readiness: Readiness = request.app.state.readiness.readiness()
     age = None if readiness.age_s is None else round(readiness.age_s, 3)
+    known = {"models": readiness.models, "age_s": age, "controller_reachable": readiness.controller_reachable}
     if readiness.ready:
-        return JSONResponse({"status": "ok", "models": readiness.models, "age_s": age})
-    body = error_body(503, readiness.problem(), code=UNAVAILABLE)
-    body |= {"models": readiness.models, "age_s": age}
-    return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok"} | known)
+    return JSONResponse(error_body(503, readiness.problem(), code=UNAVAILABLE) | known, status_code=503)
 
 
 async def alive(request: Request) -> Response:

@@ -9,8 +9,13 @@ drop every backend at once.
 
 So one task per model replica asks the controller, one call at a time, and
 keeps the answer; ``/health`` reads what it kept, reports its age, and calls a
-model down only when Serve says so or when the controller has not answered for
-``max_age_s``.
+model down when Serve says so.
+
+When the controller has not answered for ``max_age_s`` (its head pod is gone, or it
+stalls), the data plane still serves: HAProxy, the pickers and the replicas keep the
+routes they had. So ``/health`` then answers from what this replica knows itself: up
+while its own engine serves, down once it has failed (its requests would only be
+passed on). It never calls every replica down together because one controller is away.
 
 Runs in each model replica.
 """
@@ -38,37 +43,49 @@ def running_models(states: ReplicaStates, deployments: dict[str, str]) -> dict[s
 
 @dataclass(frozen=True)
 class Readiness:
-    """What ``/health`` answers: each model's state and how old that knowledge is."""
+    """What ``/health`` answers: each model's state, how old Serve's word on it is, and (once that
+    is older than ``max_age_s``) whether this replica's own engine serves."""
 
     models: dict[str, bool]
     age_s: float | None  # None: the controller has not answered yet
     max_age_s: float
+    engine_serves: bool = True  # this replica's engine answers (it has not died or hung)
 
     @property
     def stale(self) -> bool:
         return self.age_s is None or self.age_s > self.max_age_s
 
     @property
+    def controller_reachable(self) -> bool:
+        return not self.stale
+
+    @property
     def ready(self) -> bool:
-        return not self.stale and bool(self.models) and all(self.models.values())
+        if self.age_s is None:
+            return False  # starting: nothing known yet
+        if self.stale:
+            return self.engine_serves
+        return bool(self.models) and all(self.models.values())
 
     def problem(self) -> str:
         """Why this replica is not ready (call only when it is not)."""
         if self.age_s is None:
             return "the state of the model replicas is not known yet"
         if self.stale:
-            return f"the Serve controller has not answered for {self.age_s:.0f} s"
+            return f"the Serve controller has not answered for {self.age_s:.0f} s, and this replica's engine has failed"
         return "no healthy replica for: " + ", ".join(sorted(m for m, ok in self.models.items() if not ok))
 
 
 @dataclass
 class ReadinessWatch:
     """Asks ``read_states`` (blocking: :func:`serve_app.serve_internals.replica_states` of the
-    application) in a background task, one call at a time."""
+    application) in a background task, one call at a time; ``engine_serves`` is asked per probe
+    once the controller's answer is stale (this replica's engine watch: no I/O)."""
 
     read_states: Callable[[], ReplicaStates]
     deployments: dict[str, str]  # model name -> deployment name
     max_age_s: float
+    engine_serves: Callable[[], bool]
     refresh_s: float = REFRESH_S
     _models: dict[str, bool] = field(default_factory=dict)
     _fetched_at: float | None = None
@@ -99,4 +116,7 @@ class ReadinessWatch:
         """The current answer; no I/O."""
         age = None if self._fetched_at is None else time.monotonic() - self._fetched_at
         models = self._models or {name: False for name in self.deployments}
+        if age is not None and age > self.max_age_s:  # Serve's word too old: this replica's own
+            serves = self.engine_serves()
+            return Readiness({name: serves for name in self.deployments}, age, self.max_age_s, serves)
         return Readiness(dict(models), age, self.max_age_s)

@@ -6,8 +6,9 @@ application's ingress and the ReplicaPicker is its ingress request router, so ev
 answer here was streamed by a model replica to HAProxy and every POST was routed by the
 picker (HAProxy answers its own 503 page when the picker does not name a replica).
 Checked here: the answers, the errors, a body slower than Serve's default wait, the
-model list, ``/health``, the gRPC API, and the replica's own queue bound (429 past it,
-while ``/health`` still answers: it never waits behind generation). The hostile table and
+model list, ``/health`` (also while Serve's controller does not answer), the gRPC API, and the
+replica's own queue bound (429 past it, while ``/health`` still answers: it never waits behind
+generation). The hostile table and
 large bodies, through the picker too, are test_hostile.py's (the CPU app streams the same way);
 a replica whose engine died passing requests on is test_faults.py's (on ``prefix``'s two replicas);
 prefix-aware routing is tests/e2e/test_prefix_routing.py's.
@@ -17,14 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray.util.state import list_actors
 
 from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
-from tests.e2e.harness.apps import QUEUES, TAKES, RunningApp
+from tests.e2e.harness.apps import HEALTH_MAX_AGE_S, QUEUES, TAKES, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import call, channel
 from tests.e2e.harness.serve_state import (
@@ -121,6 +126,39 @@ async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp)
         result = await call(pb_grpc.GenerationStub(grpc_channel).ChatCompletion, grpc_chat(direct.model, 8), timeout=60)
     assert result.code.name == "OK", result.details
     assert result.final.final and result.final.usage.completion_tokens == 8
+
+
+async def test_without_serves_controller_requests_are_served_and_health_stays_green(direct: RunningApp) -> None:
+    """Serve's controller stopped (SIGSTOP: to a replica, its head pod's loss or a stall looks the
+    same): once its last word is HEALTH_MAX_AGE_S old, ``/health`` answers 200 from the replica's own
+    engine with ``controller_reachable`` false, and the gRPC health service SERVING, while a chat
+    is answered (the data plane needs no controller). The controller back, its word counts again.
+    (That a failed engine then makes it 503 is the unit tests': tests/unit/front_door/test_readiness.py.)"""
+    filters = [("class_name", "=", "ServeController"), ("state", "=", "ALIVE")]
+    (controller,) = await asyncio.to_thread(list_actors, filters=filters)
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        os.kill(controller.pid, signal.SIGSTOP)
+        try:
+            alone = await wait_until(
+                lambda: health_if(client, reachable=False), HEALTH_MAX_AGE_S + 30, "/health without the controller"
+            )
+            answer = await client.post(CHAT_PATH, json=chat(direct.model, 4))
+            async with channel(direct) as grpc_channel:
+                checked = await health_pb2_grpc.HealthStub(grpc_channel).Check(health_pb2.HealthCheckRequest())
+        finally:
+            os.kill(controller.pid, signal.SIGCONT)
+        assert alone.status_code == 200, alone.text
+        assert alone.json()["models"] == {direct.model: True} and alone.json()["age_s"] > HEALTH_MAX_AGE_S
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4, answer.text
+        assert checked.status == health_pb2.HealthCheckResponse.SERVING
+        back = await wait_until(lambda: health_if(client, reachable=True), 60, "/health with the controller's word")
+        assert back.status_code == 200, back.text
+
+
+async def health_if(client: httpx.AsyncClient, reachable: bool) -> httpx.Response | None:
+    """``/health``'s answer if it says the controller is (or is not) ``reachable``."""
+    answer = await client.get("/health")
+    return answer if answer.json().get("controller_reachable") is reachable else None
 
 
 async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_and_health_still_answers(

@@ -117,6 +117,9 @@ LIMITED_KEYS = ("sk-e2e-requests-9d01be-0123456789", "sk-e2e-tokens-0a7f3c-01234
 REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE = 12, 1200
 # The small-queue variant's model replica: it takes TAKES requests at once and QUEUES more waiting.
 TAKES, QUEUES = 2, 2
+# How long ``direct``'s replicas take Serve's controller's silence before answering /health for
+# themselves (production: 30 s; the test stops the controller this long and a little more).
+HEALTH_MAX_AGE_S = 3.0
 # Serve's production drain of a stopping HAProxy-fronted replica (the suite's cluster drains 1 s).
 PRODUCTION_DRAIN_S = 30
 # glm-rollout's limit on a request, and its replicas' graceful stop: long enough for answers that
@@ -176,7 +179,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
     - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, SLOWER_STEPS and
       ROLLOUT_ANSWER_S, which the rollout test replaces while streams run (test_rollout);
-    - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES
+    - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES, and
+      answering ``/health`` for itself HEALTH_MAX_AGE_S after Serve's controller went quiet
       (test_direct_streaming);
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
       test_simulated_engine; a dead engine's replica in test_direct_streaming);
@@ -209,6 +213,7 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     direct = variant("direct", "/direct")
     (model,) = direct["args"]["models"]
     model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
+    direct["args"]["ingress"]["health_max_age_s"] = HEALTH_MAX_AGE_S
     prefix = variant("prefix", "/prefix")
     (model,) = prefix["args"]["models"]
     assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix

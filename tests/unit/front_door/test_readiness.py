@@ -62,10 +62,23 @@ def watches():
         watch.stop()
 
 
+class Engine:
+    """Stands in for this replica's engine watch: serving until it fails."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def serves(self) -> bool:
+        return not self.failed
+
+
 @pytest.fixture
 def watch_of(watches):
-    def make(controller: Controller, max_age_s: float = 30.0) -> ReadinessWatch:
-        watch = ReadinessWatch(controller, DEPLOYMENTS, max_age_s=max_age_s, refresh_s=0.01)
+    def make(controller: Controller, max_age_s: float = 30.0, engine: Engine | None = None) -> ReadinessWatch:
+        engine = engine or Engine()
+        watch = ReadinessWatch(
+            controller, DEPLOYMENTS, max_age_s=max_age_s, engine_serves=engine.serves, refresh_s=0.01
+        )
         watches.append(watch)
         return watch
 
@@ -88,20 +101,38 @@ async def test_not_ready_until_the_controller_first_answers(watch_of):
 
 async def test_a_stalled_controller_keeps_the_last_answer_with_its_age_and_one_call_in_flight(watch_of):
     controller = Controller()
-    watch = watch_of(controller, max_age_s=0.5)
+    engine = Engine()
+    watch = watch_of(controller, max_age_s=0.5, engine=engine)
     watch.start()
     await wait_until(lambda: watch.readiness().ready, 5, "the watch ready", every_s=0.01)
     controller.released.clear()
     await asyncio.to_thread(controller.stalled.wait, 5)
     calls = controller.calls
     for _ in range(1000):  # a flood of probes: answered from memory, no call each
-        assert watch.readiness().ready or watch.readiness().stale
-    # Past max_age_s the last answer is no longer claimed ready.
+        assert watch.readiness().ready
     await wait_until(lambda: watch.readiness().stale, 5, "the answer stale", every_s=0.01)
     assert controller.calls == calls and controller.most_in_flight == 1  # all that time: no call more
+    # Past max_age_s this replica answers for itself: ready while its engine serves...
     readiness = watch.readiness()
-    assert not readiness.ready and "has not answered for" in readiness.problem()
+    assert readiness.ready and not readiness.controller_reachable
+    assert readiness.models == {"glm-4-9b-chat": True, "second": True}
+    # ...and not once its engine failed.
+    engine.failed = True
+    readiness = watch.readiness()
+    assert not readiness.ready and readiness.models == {"glm-4-9b-chat": False, "second": False}
+    assert "has not answered for" in readiness.problem() and "engine has failed" in readiness.problem()
     controller.released.set()
+    await wait_until(lambda: watch.readiness().controller_reachable, 5, "the controller's answer fresh", every_s=0.01)
+    assert watch.readiness().ready  # Serve's word again: the deployments have running replicas
+
+
+async def test_while_the_controller_answers_its_word_counts_not_the_engine(watch_of):
+    """Serve's view is the cluster's: a replica whose own engine failed still reports the models
+    that have running replicas elsewhere (it passes its requests on to them)."""
+    engine = Engine()
+    engine.failed = True
+    watch = watch_of(Controller(), engine=engine)
+    watch.start()
     await wait_until(lambda: watch.readiness().ready, 5, "the watch ready", every_s=0.01)
 
 
@@ -113,7 +144,7 @@ async def test_a_failing_controller_is_logged_once_and_ages_out(caplog, watch_of
         watch.start()
         await wait_until(lambda: controller.calls >= 5, 5, "5 calls to the controller", every_s=0.01)
     assert len([r for r in caplog.records if "reading Serve's status" in r.getMessage()]) == 1
-    assert not watch.readiness().ready
+    assert not watch.readiness().ready  # never answered: nothing known yet
 
 
 def test_a_model_without_a_running_replica_is_named():
