@@ -13,6 +13,10 @@ still paused, so nothing can leave it), then the engines resume: every stream an
 every request completes, and the hook returns once no Serve actor is left on node A,
 not at the end of its grace period.
 
+The hook starts while the GCS does not answer (its process stopped, as a head pod's restart
+looks to a worker): it neither fails nor gives up, but asks again until the GCS is back, and
+the drain then goes as above.
+
 Serve cannot place a replacement here (the head holds its one replica; a draining node
 gets nothing new), which is the case of a GPU cluster with no free GPU: the replica is then
 stopped at the drain's deadline minus its graceful_shutdown_timeout_s, so the hook's
@@ -25,8 +29,10 @@ import asyncio
 import copy
 import json
 import os
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,6 +64,7 @@ MAX_STREAMS = 32  # sent one by one until each holds HELD_EACH: the model's limi
 AFTER_STOP = 8  # unary requests sent once Serve is stopping the drained node's replica
 STOP_S = 120  # the drain app's graceful_shutdown_timeout_s (= its ingress.request_timeout_s)
 GRACE_S = STOP_S + 5  # the hook's grace: Serve stops the replica at the deadline minus STOP_S
+GCS_TIMEOUT_S = 3  # the hook's wait for an answer from the GCS before it asks again (production: 20 s)
 MODEL = DeploymentName("drain", "model-glm-4-9b-chat")
 MODEL_NAME = "glm-4-9b-chat"  # what the bed serves, and so the drain app
 
@@ -135,18 +142,33 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                     await wait_until(admitted, 30, f"stream {len(streams)} held by a replica")
                 held, held_elsewhere = await holding()
                 started = time.monotonic()
-                hook = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "serve_app.ops.node_drain",
-                    "--node-id",
-                    a_id,
-                    "--grace-s",
-                    str(GRACE_S),
-                    env=os.environ | ray_cluster.env,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                )
+                hook_log = tmp_path / "hook.log"
+                gcs = gcs_server_pid(ray_cluster.gcs_port)
+                os.kill(gcs, signal.SIGSTOP)
+                try:
+                    with hook_log.open("wb") as log:
+                        hook = await asyncio.create_subprocess_exec(
+                            sys.executable,
+                            "-m",
+                            "serve_app.ops.node_drain",
+                            "--node-id",
+                            a_id,
+                            "--grace-s",
+                            str(GRACE_S),
+                            "--gcs-timeout-s",
+                            str(GCS_TIMEOUT_S),
+                            env=os.environ | ray_cluster.env,
+                            stdout=log,
+                            stderr=asyncio.subprocess.STDOUT,
+                        )
+                    await wait_until(
+                        lambda: b"could not ask the GCS to drain the node" in hook_log.read_bytes(),
+                        60,
+                        "the hook's first drain request unanswered",
+                    )
+                    assert hook.returncode is None  # it waits: neither failed nor gave up
+                finally:
+                    os.kill(gcs, signal.SIGCONT)
                 await wait_until(_stopping, 60, "Serve stopping the drained node's replica")
                 body = chat(app.model, 16)
                 after = [
@@ -161,7 +183,8 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
             # The engines resume: the stopping replica finishes what it holds.
             results = await asyncio.gather(*streams)
             answers = await asyncio.gather(*after)
-        output, _ = await asyncio.wait_for(hook.communicate(), timeout=GRACE_S + 30)
+        await asyncio.wait_for(hook.wait(), timeout=GRACE_S + 30)
+        output = hook_log.read_bytes()
         took = time.monotonic() - started
 
         for status, events in results:
@@ -172,6 +195,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
         assert hook.returncode == 0, output.decode()
         # It returned because nothing was left on the node, not because its grace period ran out.
         assert b"no Serve actor left" in output, output.decode()
+        assert b"could ask the GCS to drain the node after" in output, output.decode()
         assert (await live_replicas(MODEL)).get(victim) is None  # it left
         print(
             f"{held} of {len(streams)} streams held by the drained node's replica ({held_elsewhere} by the other); all "
@@ -183,6 +207,18 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
             hook.kill()
         await serve_deploy_settled(app.config_path, cluster, settled=set())  # the drain app goes
         await asyncio.to_thread(node_a.stop)
+
+
+def gcs_server_pid(port: int) -> int:
+    """The process of the suite cluster's GCS (the one listening on ``port``)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile, or not a process
+        if argv[0].endswith(b"gcs_server") and f"--gcs_server_port={port}".encode() in argv:
+            return int(proc.name)
+    raise AssertionError(f"no gcs_server process with port {port}")
 
 
 async def _stopping() -> bool:

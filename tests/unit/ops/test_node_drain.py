@@ -5,6 +5,8 @@ tests/e2e/test_node_drain.py drains a real Ray node.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from serve_app.ops import node_drain
@@ -73,3 +75,43 @@ def test_the_gcs_address_comes_from_ray_or_from_what_kuberay_sets_in_a_worker_po
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert node_drain.default_address() == address
+
+
+def test_a_gcs_call_is_made_again_until_it_answers():
+    clock, outcomes = Clock(), iter([TimeoutError("no answer"), TimeoutError("no answer"), "node-a"])
+
+    def call() -> str:
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert node_drain.until_answered(call, "ask", deadline=60, clock=clock, sleep=clock.sleep) == "node-a"
+    assert clock.now == 2 * node_drain.RETRY_S
+
+
+def test_a_gcs_that_never_answers_is_waited_for_until_the_deadline_and_no_longer():
+    clock = Clock()
+
+    def call() -> str:
+        raise TimeoutError("no answer")
+
+    assert node_drain.until_answered(call, "ask", deadline=7, clock=clock, sleep=clock.sleep) is None
+    assert 7 - node_drain.RETRY_S <= clock.now <= 7
+
+
+def test_without_the_gcs_the_hook_keeps_the_pod_until_its_grace_period_ends(monkeypatch, caplog):
+    """The drain cannot be asked for: the hook neither fails at once (Kubernetes would then stop
+    the pod and cut its streams) nor returns before the grace period's end."""
+    calls = []
+
+    def unreachable(*args: object) -> str:
+        calls.append(args)
+        raise TimeoutError("the GCS did not answer")
+
+    monkeypatch.setattr(node_drain, "request_drain", unreachable)
+    monkeypatch.setattr(node_drain, "RETRY_S", 0.05)
+    started = time.monotonic()
+    assert node_drain.main(["--grace-s", "1", "--node-id", "abc", "--address", "head:6379"]) == 0
+    assert time.monotonic() - started >= 1 - 0.05 and len(calls) > 1
+    assert "the GCS did not answer within the grace period" in caplog.text
