@@ -32,7 +32,7 @@ from serve_app.front_door.cache_salt import key_cache_salt
 from serve_app.front_door.capacity import SlotHold
 from serve_app.front_door.endpoints import Endpoint
 from serve_app.front_door.engine_call import TokenCounter
-from serve_app.front_door.grammar_build import pickled
+from serve_app.front_door.grammar_build import GRAMMAR_BUILT, pickled
 from serve_app.front_door.json_body import decode_body
 from serve_app.front_door.large_bodies import LARGE_BODY_BYTES
 from serve_app.front_door.models import ModelCatalog, ModelEntry
@@ -73,14 +73,21 @@ def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: Ingress
 
 
 async def build_grammar_first(
-    settings: IngressSettings, payload: GenerationRequest, size: BodySize, key_id: str | None
+    settings: IngressSettings, payload: GenerationRequest, size: BodySize, record: RequestRecord
 ) -> None:
     """Build the request's grammar in the checker process, within ``ingress.max_grammar_build_s``
-    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`), in its key's turn."""
+    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`), in its key's turn;
+    its outcome is left in ``record`` (counted by :mod:`serve_app.front_door.metrics`)."""
     if size.grammar_chars and settings.costs.max_grammar_build_s is not None:
-        await settings.body_checker.build_grammar(
-            pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param, key_id
-        )
+        try:
+            await settings.body_checker.build_grammar(
+                pickled(payload), settings.costs.max_grammar_build_s, size.grammar_param, record.key_id
+            )
+        except APIError as refused:
+            if refused.status == 400:  # (a 429 or 500 from the checker: no build was made)
+                record.grammar_build = refused.code
+            raise
+        record.grammar_build = GRAMMAR_BUILT
 
 
 async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCounter | None:
@@ -128,8 +135,8 @@ async def admit(
     else:
         fields = decode_body(body.json())
         entry, payload, size = validated(models, settings, endpoint, fields)
-    await build_grammar_first(settings, payload, size, record.key_id)
     record.model = entry.name
+    await build_grammar_first(settings, payload, size, record)
     payload = hold_sequences(hold, fields, size, payload, record)
     if settings.isolate_prefix_cache and record.key_id is not None:
         payload = with_cache_salt(payload, key_cache_salt(record.key_id, fields.get("cache_salt")))

@@ -25,6 +25,12 @@ import pickle
 
 from serve_app.protocol import PickledRequest
 
+# A build's outcomes (the metrics' label): built, or the code of the 400 it gave.
+GRAMMAR_BUILT = "built"
+GRAMMAR_TOO_COSTLY = "grammar_too_costly"  # past ingress.max_grammar_build_s
+INVALID_GRAMMAR = "invalid_grammar"  # the engine could not build it
+GRAMMAR_OUTCOMES = (GRAMMAR_BUILT, GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR)
+
 
 def pickled(payload: object) -> bytes:
     """The validated request as the checker process is sent it."""

@@ -47,7 +47,7 @@ from pydantic import BaseModel
 
 from serve_app.errors import APIError
 from serve_app.front_door.checker_turns import TakeTurns
-from serve_app.front_door.grammar_build import build_grammar
+from serve_app.front_door.grammar_build import GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR, build_grammar
 from serve_app.front_door.grammar_build import warm_up as warm_up_grammars
 from serve_app.front_door.json_body import decode_body
 from serve_app.front_door.request_cost import BodySize, measure
@@ -227,14 +227,14 @@ class BodyChecker:
                 f"the grammar of this request's structured-output spec took more than {time_limit_s:g} s to "
                 "build, this server's limit; ask for fewer items, repetitions or alternatives",
                 param=param,
-                code="grammar_too_costly",
+                code=GRAMMAR_TOO_COSTLY,
             ) from None
         if error is not None:
             raise APIError(
                 400,
                 f"the grammar of this request's structured-output spec cannot be built: {error[:300]}",
                 param=param,
-                code="invalid_grammar",
+                code=INVALID_GRAMMAR,
             )
 
     async def _run(

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.errors import ENGINE_FAILED
+from serve_app.front_door.grammar_build import GRAMMAR_OUTCOMES
 from serve_app.front_door.record import Phase, RequestRecord
 from serve_app.observability.gauges import KeptGauges, kept_gauges
 from serve_app.protocol import EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS
@@ -38,6 +39,7 @@ REJECTED = "glm4_serve_rejected_requests"
 ABORTED = "glm4_serve_aborted_requests"
 ENGINE_FAILURES = "glm4_serve_engine_failures"
 EMPTY_ANSWERS = "glm4_serve_empty_answers"
+GRAMMAR_BUILDS = "glm4_serve_grammar_builds"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
@@ -60,7 +62,7 @@ class ServingMetrics:
     gauges start at 0 for each of ``models`` and keep reporting while idle
     (:mod:`serve_app.observability.gauges`); the counters of events an operator
     alerts on start at 0 (429s and 5xx of each of ``endpoints``, rejections,
-    aborts, engine failures, empty answers).
+    aborts, engine failures, empty answers), and so do the grammar builds.
     """
 
     def __init__(
@@ -116,6 +118,13 @@ class ServingMetrics:
             " (kind content), or called tools with no arguments (kind tool_arguments).",
             tag_keys=("model", "protocol", "kind"),
         )
+        self.grammar_builds = Counter(
+            GRAMMAR_BUILDS,
+            "Structured-output grammars built at the front door, by outcome: built, grammar_too_costly"
+            " (past ingress.max_grammar_build_s), invalid_grammar. A request refused before (its key's"
+            " limits, a bad body) has none.",
+            tag_keys=("model", "protocol", "outcome"),
+        )
         # The gauges are the model's load, whichever protocol brought it: by model only.
         by_model = ("model",)
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=by_model)
@@ -137,6 +146,7 @@ class ServingMetrics:
                 (self.aborted, of_model | {"phase": "streaming"}),
                 (self.empty_answers, of_model | {"kind": EMPTY_CONTENT}),
                 (self.empty_answers, of_model | {"kind": EMPTY_TOOL_ARGUMENTS}),
+                *[(self.grammar_builds, of_model | {"outcome": outcome}) for outcome in GRAMMAR_OUTCOMES],
             ]:
                 start_at_zero(counter, tags)
             for endpoint in endpoints:  # the statuses the alerting rules divide by the total
@@ -167,6 +177,8 @@ class ServingMetrics:
             self.rejected.inc(tags=model | {"reason": record.error_code or "overloaded"})
         if record.error_code == ENGINE_FAILED:
             self.engine_failures.inc(tags=model)
+        if record.grammar_build is not None:
+            self.grammar_builds.inc(tags=model | {"outcome": record.grammar_build})
         if record.aborted:
             self.aborted.inc(tags=model | {"phase": "streaming" if record.first_byte_at else "waiting"})
         if record.outcome is not None:
@@ -185,7 +197,16 @@ class ServingMetrics:
 def exported_names() -> set[str]:
     """Every sample name these metrics have in Prometheus text, as Ray exports them."""
     histograms = (TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY)
-    counters = (PROMPT_TOKENS, COMPLETION_TOKENS, REQUESTS, REJECTED, ABORTED, ENGINE_FAILURES, EMPTY_ANSWERS)
+    counters = (
+        PROMPT_TOKENS,
+        COMPLETION_TOKENS,
+        REQUESTS,
+        REJECTED,
+        ABORTED,
+        ENGINE_FAILURES,
+        EMPTY_ANSWERS,
+        GRAMMAR_BUILDS,
+    )
     names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
     names |= {f"ray_{c}_total" for c in counters}
     return names | {f"ray_{QUEUED}", f"ray_{RUNNING}"}

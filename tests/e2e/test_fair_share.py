@@ -12,7 +12,9 @@ waiting requests. Every request of both keys completes in full.
 With ``rate_limits.max_concurrent_requests`` a key past its requests at once gets 429 while
 another key's request goes ahead; the places come back as requests end. The 429 comes before
 any work the request's body would cost: one whose grammar takes minutes to build (a 400
-``grammar_too_costly`` once built, with its checker process killed) still gets the key's 429. With the shared
+``grammar_too_costly`` once built, with its checker process killed) still gets the key's 429,
+and no grammar build is counted for it (``glm4_serve_grammar_builds_total``: the next request's
+is). With the shared
 limiter unreachable (its one replica cannot be placed), the replica holds each key to the
 limit itself.
 """
@@ -28,10 +30,12 @@ import httpx
 import pytest
 import yaml
 
+from serve_app.front_door import metrics
 from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.harness.bodies import chat
 from tests.e2e.harness.serve_state import only_one_running, serve_deploy_kept
 from tests.e2e.harness.simulation import Bed, ready_bed
+from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, increase, scrape, settled
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.applications("glm-keyed", "glm-limited")
@@ -103,10 +107,28 @@ async def test_a_flood_by_one_key_does_not_make_another_keys_request_wait_behind
 
 
 async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_without_it_by_the_replica(
-    limited_bed, cluster, tmp_path
+    limited_bed, cluster, tmp_path, metrics_url
 ):
     bed = limited_bed
+    builds = f"ray_{metrics.GRAMMAR_BUILDS}_total"
+    before = await settled(metrics_url, builds)
     await _two_at_once_then_refused(bed)
+    # The refused request's grammar was never built: the only build counted is the next one's.
+    async with httpx.AsyncClient(base_url=bed.app.url, timeout=120) as client:
+        built = await client.post(
+            "/v1/chat/completions",
+            json=chat(bed.app.model, 4, response_format={"type": "json_object"}),
+            headers={"Authorization": f"Bearer {LIGHT_KEY}"},
+        )
+    assert built.status_code == 200, built.text
+
+    def counted() -> float:
+        return increase(before, scrape(metrics_url), builds, application=bed.app.name)
+
+    await wait_until(lambda: counted() >= 1, 60, "the next request's grammar build counted", every_s=SCRAPE_EVERY_S)
+    after = scrape(metrics_url)
+    assert increase(before, after, builds, application=bed.app.name) == 1
+    assert increase(before, after, builds, application=bed.app.name, outcome="built") == 1
     # The limiter's one replica asks for a resource no node has: it never starts, and each
     # admission gives up on it after 2 s.
     before = set(await bed.engines.replicas())
