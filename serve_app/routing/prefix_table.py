@@ -10,10 +10,12 @@ a prompt that began with them. :func:`choose` prefers, in order:
 1. the least busy replica that was sent this prompt's longest known prefix, when that
    prefix reaches past the conversation's opening (so it is this conversation's own
    history, or a prompt seen before whole);
-2. else the conversation's *home*: a replica picked from the opening alone by rendezvous
-   hashing, so every process the router runs in (each has its own table) sends a conversation's first
-   turn, and any later turn it has not seen, to the same replica (the first in rendezvous
-   order below 1.25x the mean load, so a few unlucky replicas do not collect the homes);
+2. else the conversation's *home*: the replica rendezvous hashing picks from the opening
+   alone, whatever the loads, so every process the router runs in (each has its own table: the
+   pickers of every node, two a node) sends a conversation's first turn, and any later turn it
+   has not seen, to the same replica. (A home bounded by the loads each process saw spread a
+   burst of new conversations more evenly, but two pickers then sent a conversation's turns to
+   different replicas: decision record 23.)
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
 requests beyond the least busy one, or when it already runs a copy of the very same prompt (the
@@ -69,30 +71,11 @@ def opening_digest(opening: str, salt: str | None = None) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-# A new conversation's home is the first replica in its rendezvous order that runs fewer than
-# this times the mean load (one more request counted): hashing a few dozen conversations over
-# 8 replicas gives the unluckiest one about twice the mean; bounded, 1.25x.
-HOME_LOAD_FACTOR = 1.25
-
-
-def rendezvous_order(home: bytes, replicas: Iterable[str]) -> list[str]:
-    """``replicas`` in ``home``'s rendezvous order: the same in every process, and when a
-    replica leaves or joins only the conversations it heads (or comes to head) move."""
-    return sorted(
-        replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest(), reverse=True
-    )
-
-
 def home_replica(home: bytes, replicas: Iterable[str]) -> str:
-    """The replica rendezvous hashing gives ``home`` (whatever the loads)."""
-    return rendezvous_order(home, replicas)[0]
-
-
-def bounded_home(home: bytes, loads: Mapping[str, int]) -> str:
-    """The conversation's home among ``loads``: the first in rendezvous order below the load bound."""
-    bound = HOME_LOAD_FACTOR * (sum(loads.values()) + 1) / len(loads)
-    ranked = rendezvous_order(home, loads)
-    return next((replica for replica in ranked if loads[replica] < bound), ranked[0])
+    """The replica rendezvous hashing gives ``home``: the same in every process, whatever the
+    loads, and when a replica leaves or joins only the conversations it heads (or comes to
+    head) move."""
+    return max(replicas, key=lambda replica: hashlib.blake2b(home + replica.encode(), digest_size=8).digest())
 
 
 @dataclass(frozen=True)
@@ -179,7 +162,7 @@ def choose(
     if depth and depth >= key.opening_blocks:
         preferred, decision = min(holders, key=loads.__getitem__), Decision.AFFINITY
     else:
-        preferred, decision = bounded_home(key.home, loads), Decision.HOME
+        preferred, decision = home_replica(key.home, loads), Decision.HOME
     least = min(loads.values())
     if loads[preferred] - least > max_load_gap:
         return Choice(None, Decision.FALLBACK, depth)

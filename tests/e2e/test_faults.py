@@ -4,8 +4,9 @@ The simulated engine is made to fail (vLLM's own engine-dead error path, which a
 engine-core process takes) or to hang, at the moment the test chooses: streams under way
 (their first tokens read, the engine at a fifth of its pace) and requests still waiting for
 their first token (the engine paused). The death is on ``prefix``'s two model replicas (what
-its replica is sent next goes on to the other), the hang on the bed. One canary on the CPU
-app kills the real engine's process, the event the simulated failure stands for; it leaves
+its replica is sent next goes on to the other), the hang on the bed, as is a ReplicaPicker's
+death (SIGKILL: HAProxy asks the node's other picker). One canary on the CPU app kills the real
+engine's process, the event the simulated failure stands for; it leaves
 the CPU app without an engine, so it runs last.
 """
 
@@ -312,6 +313,43 @@ async def test_a_hung_engine_is_detected_its_requests_get_errors_and_a_new_repli
     # (after its calls' errors went out)
     await wait_until(lambda: left(replica), BED_REPLACES_S, "the hung replica gone")
     print(f"a new replica answered {await seconds_until_answers_resume(app):.1f} s later")
+
+
+PICKER_BURST = 24  # requests sent at once right after a picker's death, while HAProxy still lists it
+
+
+async def test_a_pickers_death_costs_no_request_haproxy_asks_the_other(bed) -> None:
+    """The bed's two ReplicaPicker replicas (two a node, as shipped): one killed (SIGKILL), then
+    requests sent at once while HAProxy still lists it: its Lua action, in turn over the node's
+    pickers, finds the dead one's port closed and asks the other, so every request is answered
+    whole (with one picker each would get HAProxy's 503). Serve then starts a replacement, which
+    the test waits for: the bed keeps its shape for the tests after."""
+    picker = DeploymentName(bed.app.name, "ReplicaPicker")
+
+    async def two_running() -> set[str] | None:
+        replicas = await running_replica_actors(picker)
+        return replicas if len(replicas) == 2 else None
+
+    before = await wait_until(two_running, 60, "the bed's two pickers running")
+    victim = sorted(before)[0]
+    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", victim)])
+
+    async def one(client: httpx.AsyncClient) -> tuple[int, str | None]:
+        response = await client.post(CHAT_PATH, json=chat(bed.app.model, 4))
+        finish = response.json()["choices"][0]["finish_reason"] if response.status_code == 200 else response.text
+        return response.status_code, finish
+
+    async with httpx.AsyncClient(base_url=bed.app.url, timeout=60) as client:
+        assert await one(client) == (200, "length")
+        os.kill(actor.pid, signal.SIGKILL)
+        answers = await asyncio.gather(*(one(client) for _ in range(PICKER_BURST)))
+    assert answers == [(200, "length")] * PICKER_BURST, answers
+
+    async def replaced() -> bool:
+        replicas = await running_replica_actors(picker)
+        return len(replicas) == 2 and victim not in replicas
+
+    await wait_until(replaced, BED_REPLACES_S, "the dead picker replaced")
 
 
 @pytest.mark.last  # the CPU app is left without an engine: nothing waits for its new one

@@ -10,7 +10,6 @@ from serve_app.routing.prefix_table import (
     PrefixTable,
     RoutingKey,
     RunningPrompts,
-    bounded_home,
     choose,
     home_replica,
     opening_digest,
@@ -201,24 +200,21 @@ def test_running_prompts_end_are_forgotten_and_bounded():
     assert running.replicas(b"y", ["r3"]) == set()
 
 
-def test_new_conversations_arriving_together_get_homes_within_the_load_bound():
-    """64 first turns at once on 8 replicas: rendezvous alone gives the unluckiest replica about
-    twice the mean; bounded, none runs more than 1.25x the mean (one request of rounding)."""
-    loads = {f"r{n}": 0 for n in range(8)}
-    unbounded = dict.fromkeys(loads, 0)
+def test_every_picker_gives_a_conversation_the_same_home_whatever_loads_it_sees():
+    """Two pickers (each with its own table and its own view of the loads) send a conversation's
+    first turn, and a later turn the other has not seen, to one replica while it is within the
+    load gap."""
+    replicas = [f"r{n}" for n in range(8)]
+    first_view = dict.fromkeys(replicas, 0)
     for n in range(64):
-        home = opening_digest(f"conversation {n}")
-        loads[bounded_home(home, loads)] += 1
-        unbounded[home_replica(home, loads)] += 1
-    assert max(loads.values()) <= 1.25 * 8 + 1, loads
-    assert max(unbounded.values()) > max(loads.values()), unbounded  # (what the bound is for)
-
-
-def test_with_equal_loads_the_home_is_the_rendezvous_one():
-    loads = {f"r{n}": 3 for n in range(4)}
-    for n in range(20):
-        home = opening_digest(f"conversation {n}")
-        assert bounded_home(home, loads) == home_replica(home, loads)
+        opening = f"conversation {n}, its system prompt. "
+        turn = key(opening + "a question", opening)
+        second_view = {replica: (7 * i + n) % 9 for i, replica in enumerate(replicas)}  # another picker's loads
+        first = choose(turn, PrefixTable(100), first_view, max_load_gap=16)
+        second = choose(turn, PrefixTable(100), second_view, max_load_gap=16)
+        assert first.replica == second.replica == home_replica(turn.home, replicas)
+        assert first.decision is second.decision is Decision.HOME
+        first_view[first.replica] += 1
 
 
 def test_a_replica_that_left_is_forgotten():
