@@ -50,9 +50,10 @@ T = TypeVar("T")
 
 NODE_ID = """
 import logging
+import sys
 import ray
 
-ray.init(address=ADDRESS, logging_level=logging.ERROR, log_to_driver=False)
+ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
 print(ray.get_runtime_context().get_node_id())
 """
 
@@ -62,9 +63,8 @@ def this_node_id(address: str, timeout_s: float) -> str:
 
     Asked in a process of its own, ended after ``timeout_s``: ``ray.init`` waits long for a
     GCS that does not answer, and cannot be cancelled in-process."""
-    script = f"ADDRESS = {address!r}\n{NODE_ID}"
     found = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout_s, check=True
+        [sys.executable, "-c", NODE_ID, address], capture_output=True, text=True, timeout=timeout_s, check=True
     )
     return found.stdout.strip().splitlines()[-1]
 

@@ -15,7 +15,7 @@ a prompt that began with them. :func:`choose` prefers, in order:
    pickers of every node, two a node) sends a conversation's first turn, and any later turn it
    has not seen, to the same replica. (A home bounded by the loads each process saw spread a
    burst of new conversations more evenly, but two pickers then sent a conversation's turns to
-   different replicas: decision record 23.)
+   different replicas: decision record 26.)
 
 and drops the preference (load decides) when that replica runs more than ``max_load_gap``
 requests beyond the least busy one, or when it already runs a copy of the very same prompt (the
