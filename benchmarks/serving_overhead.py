@@ -17,7 +17,9 @@ model replica, controller, Ray's daemons; vLLM's one process), plus the load cli
 Prints a table and the goals of issue 22, writes JSON and a PNG.
 
 ``--app-only --app-protocols http grpc --endpoint chat`` measures this app alone over HTTP and
-then over its gRPC API, on the same load and the same running app (app.json, app-grpc.json).
+then over its gRPC API, on the same load and the same running app (app.json, app-grpc.json);
+``--app-only --app-endpoints chat responses`` measures chat and then the Responses API over HTTP
+(app-chat.json, app-responses.json).
 """
 
 from __future__ import annotations
@@ -128,15 +130,20 @@ def measure(
     log: Path,
     allowed: Callable[[int], float],
     protocols: tuple[str, ...] = ("http",),
+    endpoints: tuple[str, ...] = (),
 ) -> dict[str, dict[str, Any]]:
-    """Each protocol's levels, one after the other on the same running server."""
+    """Each protocol's levels, one after the other on the same running server; with ``endpoints``,
+    each endpoint's over HTTP (keyed ``http <endpoint>``), the same workload otherwise."""
     print(f"\n== {server.name} (log: {log})", flush=True)
+    sides = [(p, workload, p) for p in protocols]
+    if endpoints:
+        sides = [("http", replace(workload, endpoint=e), f"http {e}") for e in endpoints]
     results = {}
     with running(server, log) as process:  # (serve run's process tree holds its whole local Ray cluster)
-        for protocol in protocols:
+        for protocol, side_workload, key in sides:
             clients = client_pool(protocol, server.url, server.grpc_target or "", None)
-            results[protocol] = asyncio.run(measure_levels(clients, process.pid, workload, loads, allowed))
-            results[protocol] |= {"url": server.url, "protocol": protocol}
+            results[key] = asyncio.run(measure_levels(clients, process.pid, side_workload, loads, allowed))
+            results[key] |= {"url": server.url, "protocol": protocol}
     return results
 
 
@@ -310,7 +317,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=["http"],
         help="measure this app over each, one after the other (gRPC: app-grpc.json; compare on --endpoint chat)",
     )
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
+    parser.add_argument(
+        "--app-endpoints",
+        nargs="+",
+        choices=["completions", "chat", "responses"],
+        default=[],
+        help="with --app-only: measure each over HTTP, one after the other on the same app (app-<endpoint>.json)",
+    )
     parser.add_argument(
         "--ray-serve-llm",
         action="store_true",
@@ -338,11 +352,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         app_server = this_app(config, None, workdir, REPO)
         app_server = replace(app_server, env=app_server.env | dict(pair.split("=", 1) for pair in args.app_env))
         if args.app_only:
-            by_protocol = measure(app_server, workload, loads, logs / "app.log", allowed, protocols)
+            endpoints = tuple(args.app_endpoints)
+            by_protocol = measure(app_server, workload, loads, logs / "app.log", allowed, protocols, endpoints)
             for protocol, result in by_protocol.items():
                 print_levels(f"this app over {protocol} {' '.join(args.app_env)}", result)
                 if args.out_dir:
-                    name = "app.json" if protocol == "http" else f"app-{protocol}.json"
+                    name = "app.json" if protocol == "http" else f"app-{protocol.replace('http ', '')}.json"
                     (args.out_dir / name).write_text(json.dumps(result, indent=1))
             return {"app": by_protocol.get("http"), "app_by_protocol": by_protocol}
         vllm = measure(simulated_vllm(config, None, workdir, REPO), workload, loads, logs / "vllm.log", allowed)["http"]

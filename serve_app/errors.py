@@ -125,6 +125,16 @@ def sse_error_event(status: int, message: str, code: str | None = None) -> bytes
     return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
 
 
+def responses_error_event(status: int, message: str, code: str | None = None, sequence_number: int = 0) -> bytes:
+    """The final event of a Responses API stream that failed after it started: OpenAI's ``error``
+    event (``type``, ``code``, ``message``, ``param``, ``sequence_number``) that also carries the
+    error object under ``error`` first, as every other stream's error event does (and as
+    :func:`serve_app.protocol.trailing_error` and the OpenAI SDKs read it)."""
+    error = error_body(status, message, code=code)
+    event = error | {"type": "error", "code": code, "message": message, "param": None}
+    return b"event: error\ndata: " + json.dumps(event | {"sequence_number": sequence_number}).encode() + b"\n\n"
+
+
 def overloaded() -> APIError:
     """The 429 for a request that its replica can neither take nor queue now (the replica's own count)."""
     return APIError(429, "the model is overloaded; retry shortly", code="overloaded", headers={"Retry-After": "1"})

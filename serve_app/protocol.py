@@ -27,6 +27,7 @@ from serve_app.errors import error_body, status_of
 
 DONE_EVENT = "data: [DONE]\n\n"
 ERROR_EVENT_PREFIX = 'data: {"error"'
+ERROR_EVENT_LINE = "event: error\n"  # before a Responses API stream's error event (serve_app.errors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,10 @@ def trailing_error(chunk: str) -> tuple[int, str | None] | None:
     so only the end of a chunk is looked at: one substring search per chunk.
     """
     at = chunk.rfind(ERROR_EVENT_PREFIX)
-    if at < 0 or (at > 0 and not chunk.endswith("\n\n", 0, at)):
+    if at < 0:
+        return None
+    start = at - len(ERROR_EVENT_LINE) if chunk.endswith(ERROR_EVENT_LINE, 0, at) else at
+    if start > 0 and not chunk.endswith("\n\n", 0, start):
         return None
     try:
         error = json.loads(chunk[at + len("data: ") :])["error"]

@@ -30,6 +30,7 @@ WRITTEN_AGAINST = "0.32.0"
 # before the engine sees it (wrapped by serve_app.engine.context_limit).
 CHAT_RENDER_STEP = "render_chat_request"
 COMPLETION_RENDER_STEP = "render_completion_request"
+RESPONSES_RENDER_STEP = "_render_resolved_response_inputs"  # (private: vLLM's Responses serving has no public one)
 
 # The renderer's chat rendering, sync and async (wrapped by serve_app.glm4.serving).
 CHAT_RENDER_METHODS = ("render_messages", "render_messages_async")
@@ -111,12 +112,13 @@ def prompt_token_count(serving: Any, engine_input: Any) -> int:
 
 
 def use_chat_parser(state: Any, parser_cls: type) -> None:
-    """Make ``parser_cls`` the parser of the chat serving object and of the online renderer.
+    """Make ``parser_cls`` the parser of the chat and Responses serving objects and of the online renderer.
 
     vLLM composes its generic parser around the configured tool parser; no
     argument selects a whole parser class.
     """
     state.openai_serving_chat.parser_cls = parser_cls
+    state.openai_serving_responses.parser = parser_cls
     state.online_renderer.parser = parser_cls
 
 
@@ -335,7 +337,7 @@ def _byte_tokenizer() -> Any:
 
 
 def build_request_grammar(request: Any) -> str | None:
-    """Build a validated chat or completion request's grammar as vLLM will, and return the error its
+    """Build a validated chat, completion or Responses API request's grammar as vLLM will, and return the error its
     engine would meet, if the client can be told (else None).
 
     The steps are vLLM's: the JSON schema a forced tool call adds (``ToolParser.adjust_request``),
@@ -346,7 +348,9 @@ def build_request_grammar(request: Any) -> str | None:
     JSON schemas, regexes and choices: the matcher here has a stand-in tokenizer of bytes, and
     a Lark grammar may name the model's own special tokens."""
     import llguidance
+    from openai.types.responses import ResponseFormatTextJSONSchemaConfig, ResponseTextConfig
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.exceptions import VLLMClientError
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.tool_parsers.utils import get_json_schema_from_tools
@@ -355,12 +359,18 @@ def build_request_grammar(request: Any) -> str | None:
     from vllm.v1.structured_output.request import get_structured_output_key
 
     try:
-        if isinstance(request, ChatCompletionRequest):
+        if isinstance(request, ChatCompletionRequest | ResponsesRequest):
             schema = get_json_schema_from_tools(request.tool_choice, request.tools, request.parallel_tool_calls)
-            if schema is not None:
+            if schema is not None and isinstance(request, ChatCompletionRequest):
                 request.structured_outputs = StructuredOutputsParams(json=schema)
                 request.response_format = None
-        params = request.to_sampling_params(max_tokens=1, default_sampling_params={})
+            elif schema is not None:  # as vLLM's ToolParser.adjust_request sets it
+                request.text = ResponseTextConfig(
+                    format=ResponseFormatTextJSONSchemaConfig(
+                        type="json_schema", name="tool_calling_response", schema=schema, strict=True
+                    )
+                )
+        params = request.to_sampling_params(1, default_sampling_params={})
         if params.structured_outputs is None:
             return None
         validate_guidance_grammar(params, tokenizer=None)

@@ -14,6 +14,7 @@ from typing import Any
 MODEL = "glm-4-9b-chat"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
 BODY_LIMIT = 8388608  # ingress.max_request_body_bytes in deploy/config.cpu.yaml
 
 
@@ -33,6 +34,11 @@ MARKED = {"type": "object", "properties": {"v": {"const": "\ufdd0<|user|>"}}}  #
 
 def chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
+
+
+def responses(**fields: Any) -> dict[str, Any]:
+    """A Responses API body."""
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 4} | fields
 
 
 def encoded(body: Any) -> bytes:
@@ -306,6 +312,53 @@ HOSTILE: list[Hostile] = [
     Hostile("large body, priority -1", padded(chat(priority=-1)), 400, "priority"),
     Hostile("mm_processor_kwargs", encoded(chat(mm_processor_kwargs={"num_crops": 4})), 400, "mm_processor_kwargs"),
     Hostile("ec_transfer_params", encoded(chat(ec_transfer_params={"a": 1})), 400, "ec_transfer_params"),
+    # The Responses API: what is not served is named (serve_app/front_door/responses_rules.py), the rest as chat
+    Hostile(
+        "hosted tool", encoded(responses(tools=[{"type": "web_search_preview"}])), 400, "tools.0.type", RESPONSES_PATH
+    ),
+    Hostile(
+        "image input",
+        encoded(
+            responses(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://a/b.png"}]}])
+        ),
+        400,
+        "input.0.content.0.type",
+        RESPONSES_PATH,
+    ),
+    Hostile(
+        "reasoning item",
+        encoded(responses(input=[{"type": "reasoning", "summary": []}])),
+        400,
+        "input.0.type",
+        RESPONSES_PATH,
+    ),
+    Hostile("unknown item type", encoded(responses(input=[{"type": "banana"}])), 400, "input.0.type", RESPONSES_PATH),
+    Hostile("no input", encoded({"model": MODEL}), 400, "input", RESPONSES_PATH),
+    Hostile("conversation", encoded(responses(conversation="conv_1")), 400, "conversation", RESPONSES_PATH),
+    Hostile("reasoning effort", encoded(responses(reasoning={"effort": "low"})), 400, "reasoning", RESPONSES_PATH),
+    Hostile("max_output_tokens 0", encoded(responses(max_output_tokens=0)), 400, "max_output_tokens", RESPONSES_PATH),
+    Hostile(
+        "max_output_tokens 5000", encoded(responses(max_output_tokens=5000)), 400, "max_output_tokens", RESPONSES_PATH
+    ),
+    Hostile("input of 140000 characters", encoded(responses(input="ab" * 70_000)), 400, "input", RESPONSES_PATH),
+    Hostile(
+        "large body, text.format of a billion items",
+        padded(
+            responses(
+                text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "array", "minItems": BILLION}}}
+            )
+        ),
+        400,
+        "text",
+        RESPONSES_PATH,
+    ),
+    Hostile(
+        "control mark in a text.format schema",
+        encoded(responses(text={"format": {"type": "json_schema", "name": "a", "schema": MARKED}})),
+        400,
+        "text",
+        RESPONSES_PATH,
+    ),
     # Routes
     Hostile("GET on a POST route", b"", 405, method="GET"),
     Hostile("unknown route", encoded(chat()), 404, path="/v1/chat/complete"),

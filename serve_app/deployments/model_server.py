@@ -74,7 +74,11 @@ class ModelServer:
                 model.name: ModelEntry(
                     model.name,
                     LocalModel(
-                        {"chat": self.engine.chat, "completion": self.engine.completion},
+                        {
+                            "chat": self.engine.chat,
+                            "completion": self.engine.completion,
+                            "responses": self.engine.responses,
+                        },
                         engine_failed=lambda: self.engine.watch.failed,
                         others=serve.get_deployment_handle(model.deployment_name, context.app_name).options(
                             stream=True
@@ -136,6 +140,12 @@ class ModelServer:
         self, request: Any, trace_context: dict[str, str] | None = None
     ) -> AsyncGenerator[Answer, None]:
         async for item in self.engine.completion(request, trace_context):
+            yield item
+
+    async def responses(
+        self, request: Any, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[Answer, None]:
+        async for item in self.engine.responses(request, trace_context):
             yield item
 
     async def check_health(self) -> None:

@@ -51,7 +51,8 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
     """The replica method a body is for and what the request router reads of it; None to route by load.
 
     The router reads a chat's ``messages``, ``tools``, ``tool_choice`` and template
-    arguments, or a completion's ``prompt`` (:mod:`serve_app.routing.prompt_text`),
+    arguments, a completion's ``prompt``, or a Responses API request's ``instructions``,
+    ``input`` and tools (:mod:`serve_app.routing.prompt_text`),
     as attributes: the parsed body, not yet validated, offers them as a namespace.
     The body is held to the front door's structure bounds before it is parsed.
     """
@@ -70,6 +71,8 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
         return "chat", SimpleNamespace(**(chat | fields))
     if "prompt" in fields:
         return "completion", SimpleNamespace(**fields)
+    if isinstance(fields.get("input"), str | list):  # the Responses API's: rendered as a chat
+        return "responses", SimpleNamespace(**fields)
     return None
 
 
@@ -154,11 +157,13 @@ class ReplicaPicker:
         if isinstance(model, str):  # the model deployment's name: it holds a handle to this one
             model = serve.get_deployment_handle(model, serve.get_replica_context().app_name)
         # One handle per generation method, made once (not per request); each builds its own
-        # request router, so chat and completion prompts are remembered apart.
-        self.handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
+        # request router, so chat and completion prompts are remembered apart. A Responses API
+        # request renders as a chat, and is routed with chats: the same conversation, the same cache.
+        handles = {method: model.options(method_name=method) for method in ("chat", "completion")}
+        self.handles = handles | {"responses": handles["chat"]}
 
     async def pick(self, method: str, request: Any) -> str:
-        """The full id of the replica the router picks for a parsed ``chat`` or ``completion`` request."""
+        """The full id of the replica the router picks for a parsed request of the model's ``method``."""
         return await pick_replica_id(self.handles[method], request)
 
     def __serve_build_asgi_app__(self) -> Starlette:

@@ -113,4 +113,5 @@ async def serving_state(engine: Any, config: EngineConfig, logprobs_prompt_token
     enforce_context_limit(
         state.openai_serving_completion, vllm_internals.COMPLETION_RENDER_STEP, logprobs_prompt_tokens
     )
+    enforce_context_limit(state.openai_serving_responses, vllm_internals.RESPONSES_RENDER_STEP)
     return state

@@ -24,9 +24,16 @@ from serve_app import vllm_internals
 
 def requested_output(request: Any) -> tuple[str, int | None]:
     """The output-length parameter a request set, and its value (None if unset)."""
+    if hasattr(request, "max_output_tokens"):  # the Responses API's
+        return "max_output_tokens", request.max_output_tokens
     if getattr(request, "max_completion_tokens", None) is not None:
         return "max_completion_tokens", request.max_completion_tokens
     return "max_tokens", request.max_tokens
+
+
+def prompt_param(request: Any) -> str:
+    """The parameter a request's prompt is: ``messages``, ``input`` (the Responses API's) or ``prompt``."""
+    return next((name for name in ("messages", "input") if hasattr(request, name)), "prompt")
 
 
 def effective_prompt_tokens(prompt_tokens: int, request: Any, max_model_len: int) -> int:
@@ -83,13 +90,18 @@ def enforce_context_limit(serving: Any, render_method: str, max_logprobs_prompt_
         logprobs_cap = max_logprobs_prompt_tokens if asks_prompt_logprobs(request) else None
         if isinstance(result, ErrorResponse) or (requested is None and logprobs_cap is None):
             return result
-        engine_inputs = result[1] if isinstance(result, tuple) else result
+        engine_inputs = (
+            result[1]
+            if isinstance(result, tuple)
+            else [result.engine_input]  # (the Responses API's render result)
+            if hasattr(result, "engine_input")
+            else result
+        )
         for engine_input in engine_inputs:
             counted = vllm_internals.prompt_token_count(serving, engine_input)
             prompt = effective_prompt_tokens(counted, request, max_model_len)
             if logprobs_cap is not None and (message := over_logprobs_prompt_message(prompt, logprobs_cap)):
-                prompt_param = "messages" if hasattr(request, "messages") else "prompt"
-                return serving.create_error_response(message, param=prompt_param)
+                return serving.create_error_response(message, param=prompt_param(request))
             if requested is not None and (message := over_context_message(prompt, param, requested, max_model_len)):
                 return serving.create_error_response(message, param=param)
         return result

@@ -26,6 +26,7 @@ from serve_app import vllm_internals
 from serve_app.config import ModelConfig, PromptLogprobsConfig
 from serve_app.engine.build import build_engine, engine_config, serving_state
 from serve_app.engine.engine_watch import EngineProgress, EngineWatch
+from serve_app.engine.responses_stream import ResponsesStream, response_outcome
 from serve_app.engine.stream_transforms import (
     OutcomeTap,
     coalesce,
@@ -85,6 +86,7 @@ class EngineServer:
         state = await serving_state(self.engine, config, logprobs_prompt_tokens)
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
+        self.responses_serving = state.openai_serving_responses
         self.max_model_len = config.vllm_config.model_config.max_model_len
         self.watch = EngineWatch(
             engine_dead=lambda: self.engine.errored,
@@ -114,6 +116,13 @@ class EngineServer:
         async for item in self._answer("completion", self.completion_serving.create_completion, request, trace_context):
             yield item
 
+    async def responses(
+        self, request: Any, trace_context: dict[str, str] | None = None
+    ) -> AsyncGenerator[Answer, None]:
+        """Answer a validated ``ResponsesRequest`` (OpenAI's Responses API); ``trace_context`` as for chat."""
+        async for item in self._answer("responses", self.responses_serving.create_responses, request, trace_context):
+            yield item
+
     async def _answer(
         self, endpoint: str, create: Any, request: Any, trace_context: dict[str, str] | None
     ) -> AsyncIterator[Answer]:
@@ -133,7 +142,7 @@ class EngineServer:
         first_at: float | None = None
         with self.watch.call():
             try:
-                async for item in self._generate(create, request):
+                async for item in self._generate(create, request, responses=endpoint == "responses"):
                     if isinstance(item, Outcome):
                         outcome = item
                     elif first_at is None and isinstance(item, str):  # a stream's first chunk
@@ -142,8 +151,11 @@ class EngineServer:
             finally:
                 _close_engine_span(span, outcome, first_at - started if first_at is not None else None)
 
-    async def _generate(self, create: Any, request: Any) -> AsyncIterator[Answer]:
-        """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`."""
+    async def _generate(self, create: Any, request: Any, responses: bool = False) -> AsyncIterator[Answer]:
+        """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`.
+
+        ``responses``: a Responses API request, whose stream vLLM gives as event objects
+        (:mod:`serve_app.engine.responses_stream`)."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -152,7 +164,9 @@ class EngineServer:
         if self.watch.failed:
             yield _unavailable()
             return
-        tap = _outcome_tap(request) if getattr(request, "stream", False) else None
+        streaming = bool(getattr(request, "stream", False))
+        tap = _outcome_tap(request) if streaming and not responses else None
+        framed = ResponsesStream(self._stream_failure) if streaming and responses else None
         if tap is not None and request.stream_interval is None:  # see StreamBatchingConfig
             held = self.engine.get_num_unfinished_requests()
             request.stream_interval = self.stream_batching.tokens_per_chunk(held)
@@ -168,11 +182,15 @@ class EngineServer:
                 else Reply.error(result.error.code, result.error.message, result.error.param)
             )
         elif isinstance(result, BaseModel):
-            yield Reply(200, result.model_dump_json().encode(), _outcome_of(result))
+            outcome = response_outcome(result) if responses else _outcome_of(result)
+            yield Reply(200, result.model_dump_json(by_alias=responses).encode(), outcome)
         else:
-            assert tap is not None
-            events = end_on_error_event(result, rewrite=self._error_event)
-            async with aclosing(coalesce(tap.tap(events))) as stream:
+            if framed is not None:
+                events = framed.frames(result)
+            else:
+                assert tap is not None
+                events = tap.tap(end_on_error_event(result, rewrite=self._error_event))
+            async with aclosing(coalesce(events)) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.watch.failed:
                     yield _engine_failed()  # before the first token: still a status, not a stream
@@ -181,8 +199,15 @@ class EngineServer:
                     yield first
                 async for chunk in stream:
                     yield chunk
-            if tap.outcome is not None:
-                yield tap.outcome
+            outcome = framed.outcome if framed is not None else tap.outcome if tap is not None else None
+            if outcome is not None:
+                yield outcome
+
+    def _stream_failure(self) -> tuple[int, str, str | None]:
+        """The error a stream that broke after it began ends with: the engine's death, if it died."""
+        if self.watch.failed:
+            return _ENGINE_FAILED_ERROR
+        return 500, "the answer failed while it was generated", "internal_error"
 
     def _error_event(self, chunk: str) -> str:
         """A stream's error event; when the engine died or hung under it, it says so (``engine_failed``)."""

@@ -22,8 +22,10 @@ class Endpoint:
 def default_endpoints() -> list[Endpoint]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     return [
         Endpoint("/v1/chat/completions", ChatCompletionRequest, "chat"),
         Endpoint("/v1/completions", CompletionRequest, "completion"),
+        Endpoint("/v1/responses", ResponsesRequest, "responses"),
     ]

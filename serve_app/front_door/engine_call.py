@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ray.exceptions import TaskCancelledError
 from starlette.responses import Response, StreamingResponse
 
-from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
+from serve_app.errors import UNAVAILABLE, APIError, overloaded, responses_error_event, sse_error_event
 from serve_app.front_door.deadlines import Deadline, DeadlineExceeded, next_before
 from serve_app.front_door.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
@@ -34,6 +34,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
+ErrorEvent = Callable[[int, str, str | None], bytes]  # a stream's final error event: status, message, code
 
 
 class AnswerStream(Protocol):
@@ -95,9 +96,15 @@ def may_have_reached_an_engine(exc: BaseException) -> bool:
 
 
 async def stream_sse(
-    first: str, rest: Any, deadline: Deadline, record: RequestRecord, on_tokens: TokenCounter | None = None
+    first: str,
+    rest: Any,
+    deadline: Deadline,
+    record: RequestRecord,
+    on_tokens: TokenCounter | None = None,
+    error_event: ErrorEvent = sse_error_event,
 ) -> AsyncGenerator[str | bytes, None]:
-    """Write a replica's SSE stream through; a failure after the start becomes a final error event.
+    """Write a replica's SSE stream through; a failure after the start becomes a final error event
+    (``error_event``'s: a Responses API stream's has its own form).
 
     The replica ends the stream with an :class:`Outcome` (not written out), kept in
     ``record``. With ``on_tokens``, it is told the answer's total tokens; a stream
@@ -130,7 +137,7 @@ async def stream_sse(
         if not ended:
             error = deadline.expired()
             record.failed(error.status, error.code)
-            yield sse_error_event(error.status, error.message, error.code)
+            yield error_event(error.status, error.message, error.code)
     except TaskCancelledError:  # the client left; nobody reads an error event
         pass
     except Exception as exc:
@@ -139,7 +146,7 @@ async def stream_sse(
         if not ended:
             error = replica_failure(exc)
             record.failed(error.status, error.code)
-            yield sse_error_event(error.status, error.message, error.code)
+            yield error_event(error.status, error.message, error.code)
     finally:
         rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
         if on_tokens is not None:
@@ -162,8 +169,9 @@ async def relay(
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
         return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
+    error_event = responses_error_event if method == "responses" else sse_error_event
     return StreamingResponse(
-        stream_sse(first, responses, deadline, record, on_tokens),
+        stream_sse(first, responses, deadline, record, on_tokens, error_event),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )

@@ -125,7 +125,7 @@ def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_outpu
 
     (The replica then checks prompt plus ``max_tokens``, which needs the prompt's tokens.)
     """
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in OUTPUT_LENGTHS:
         value = body.get(name)
         if type(value) is not int:
             continue
@@ -135,6 +135,9 @@ def check_output_fits(body: dict[str, Any], max_model_len: int | None, max_outpu
             )
         if max_model_len is not None and value > max_model_len:
             raise APIError(400, f"{name} is {value}; the model's context is {max_model_len} tokens", param=name)
+
+
+OUTPUT_LENGTHS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # (the last: the Responses API's)
 
 
 def check_choices(body: dict[str, Any], max_n: int) -> None:
@@ -159,6 +162,9 @@ def prompt_size(body: dict[str, Any]) -> PromptSize:
     """The prompts a request will render, counted (:func:`prompt_count`) and measured."""
     if "messages" in body:
         return PromptSize(1, _characters(body["messages"]) + _characters(body.get("tools")), 0, "messages")
+    if "input" in body:  # the Responses API's
+        rendered = _characters(body["input"]) + _characters(body.get("instructions")) + _characters(body.get("tools"))
+        return PromptSize(1, rendered, 0, "input")
     prompts = _prompt_list(body)
     texts = [p for p in prompts if isinstance(p, str)]
     ids = [p for p in prompts if isinstance(p, list)]
@@ -246,6 +252,11 @@ def logprobs_asked(body: dict[str, Any]) -> Asked | None:
     """The log-probabilities each generated token carries: its own, and chat's ``top_logprobs`` (with
     ``logprobs: true``) or a completion's ``logprobs``, or instead ``logprob_token_ids``'s."""
     logprobs = body.get("logprobs")
+    if "input" in body:  # the Responses API's: asked for by include
+        if "message.output_text.logprobs" not in (body.get("include") or ()):
+            return None
+        top = body.get("top_logprobs")
+        return Asked("top_logprobs", 1 + (top if type(top) is int and top > 0 else 0))
     if "messages" in body:
         if logprobs is not True:
             return None
@@ -265,7 +276,7 @@ def check_logprobs(body: dict[str, Any], size: BodySize, max_logprobs: int, defa
     asked = size.logprobs
     if asked is None:
         return
-    tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if type(body.get(k)) is int), None)
+    tokens = next((body[k] for k in OUTPUT_LENGTHS if type(body.get(k)) is int), None)
     tokens = tokens if tokens is not None else default_tokens
     if tokens is None:
         return
@@ -283,8 +294,11 @@ def check_logprobs(body: dict[str, Any], size: BodySize, max_logprobs: int, defa
 
 def grammar_specs(body: dict[str, Any]) -> dict[str, int]:
     """Characters of JSON of each structured-output spec a grammar is built from: ``response_format``,
-    ``structured_outputs``, and ``tools`` when ``tool_choice`` forces a call."""
+    ``structured_outputs``, the Responses API's ``text`` format, and ``tools`` when ``tool_choice`` forces a call."""
     names = ["response_format", "structured_outputs"]
+    text = body.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("type") != "text":
+        names.append("text")
     if body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict):
         names.append("tools")
     return {

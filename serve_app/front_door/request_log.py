@@ -117,6 +117,8 @@ def completion_text(body: bytes, stream: bool) -> list[str] | None:
     except ValueError:
         return None
     for document in documents:
+        if (response := answered_response(document)) is not None:  # the Responses API's
+            return [response_text(response)]
         for choice in document.get("choices") or []:
             part = choice.get("delta") or choice.get("message") or choice
             piece = part.get("content") or part.get("text") or ""
@@ -124,6 +126,27 @@ def completion_text(body: bytes, stream: bool) -> list[str] | None:
                 piece += json.dumps(part["tool_calls"], ensure_ascii=False)
             texts.setdefault(choice.get("index", 0), []).append(piece)
     return ["".join(texts[index]) for index in sorted(texts)] or None
+
+
+def answered_response(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The whole response of a Responses API answer: the unary body, or a stream's final event's."""
+    if document.get("object") == "response":
+        return document
+    if document.get("type") in ("response.completed", "response.incomplete", "response.failed"):
+        response = document.get("response")
+        return response if isinstance(response, dict) else None
+    return None
+
+
+def response_text(response: dict[str, Any]) -> str:
+    """A response's text, and its function calls as JSON."""
+    pieces = []
+    for item in response.get("output") or []:
+        if item.get("type") == "message":
+            pieces += [part.get("text") or "" for part in item.get("content") or []]
+        elif item.get("type") == "function_call":
+            pieces.append(json.dumps({k: item.get(k) for k in ("name", "arguments")}, ensure_ascii=False))
+    return "".join(pieces)
 
 
 def _sse_documents(body: bytes) -> list[dict[str, Any]]:

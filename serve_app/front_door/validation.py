@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMClientError
 
 from serve_app.errors import APIError, quoted
+from serve_app.front_door.responses_rules import check_served
 from serve_app.glm4.control_tokens import MARK_REFUSED, find_control_mark
 from serve_app.protocol import GenerationRequest, as_generation_request
 
@@ -38,6 +39,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "frequency_penalty": (-2, 2),
     "max_tokens": (1, None),
     "max_completion_tokens": (1, None),
+    "max_output_tokens": (1, None),
     "top_logprobs": (0, 20),
 }
 COMPLETION_LOGPROBS = (0, 5)  # /v1/completions: logprobs is a count, at most 5
@@ -66,7 +68,9 @@ def field_names(model: type[BaseModel]) -> frozenset[str]:
 
 
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationRequest:
-    """Validate ``body`` strictly with vLLM's ``model``; a fresh uuid4 replaces any client request id."""
+    """Validate ``body`` strictly with vLLM's ``model``; a fresh uuid4 replaces any client request id
+    (a Responses API request's is its response's id, ``resp_`` and the uuid)."""
+    responses = "input" in model.model_fields  # (the Responses API's request model)
     for name in IGNORED_OPENAI_PARAMS & body.keys():
         del body[name]
     for name in REFUSED_VLLM_PARAMS.keys() & body.keys():
@@ -77,8 +81,10 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationReq
         raise APIError(400, f"unrecognized request argument supplied: {name}", param=name)
     if "messages" in body:
         check_roles(body["messages"])
+    if responses:
+        check_served(body)
     check_no_control_mark_in_grammar(body)
-    body["request_id"] = uuid.uuid4().hex
+    body["request_id"] = f"resp_{uuid.uuid4().hex}" if responses else uuid.uuid4().hex
     try:
         # JSON mode, strict: a JSON string is never a number or a boolean, a float never an int.
         payload = model.model_validate_json(json.dumps(body), strict=True)
@@ -94,7 +100,7 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationReq
     return as_generation_request(payload)
 
 
-GRAMMAR_PARAMS = ("response_format", "structured_outputs", "tools")
+GRAMMAR_PARAMS = ("response_format", "structured_outputs", "tools", "text")  # ("text": the Responses API's format)
 
 
 def check_no_control_mark_in_grammar(body: dict[str, Any]) -> None:

@@ -47,8 +47,15 @@ PARSER_NAME = "glm4"
 
 
 def tool_names(request: Any) -> list[str]:
-    """Names of the functions a request offers."""
-    return [tool.function.name for tool in request.tools or [] if getattr(tool, "function", None)]
+    """Names of the functions a request offers (in ``function`` for chat; the Responses API's at the top)."""
+    names = []
+    for tool in request.tools or []:
+        function = getattr(tool, "function", None)
+        if function is not None:
+            names.append(function.name)
+        elif getattr(tool, "type", None) == "function":
+            names.append(tool.name)
+    return names
 
 
 def without_special_tokens(text: str) -> str:
@@ -104,7 +111,7 @@ class Glm4ToolParser(ToolParser):
 
     def adjust_request(self, request: Any) -> Any:
         request = super().adjust_request(request)  # JSON schema for required / named
-        if isinstance(request, ChatCompletionRequest) and reads_glm4_calls(request):
+        if reads_glm4_calls(request):  # (chat's requests and the Responses API's)
             # Several calls in one answer are separated by <|assistant|>, a special token.
             request.skip_special_tokens = False
         return request

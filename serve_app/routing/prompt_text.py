@@ -36,11 +36,40 @@ class PromptText:
     opening: str  # a prefix of text
 
 
+def field(value: Any, name: str) -> Any:
+    """A field of a parsed body's dict or of a validated request's model."""
+    return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
+
+
 def as_text(content: Any) -> Any:
     """A message's content as vLLM hands it to the template: text parts joined by newlines."""
     if isinstance(content, list):
-        return "\n".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+        return "\n".join(text for part in content if isinstance(text := field(part, "text"), str))
     return content
+
+
+def responses_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
+    """A Responses API request's ``instructions`` and ``input`` as the chat messages vLLM renders them
+    from (its messages; function calls and their outputs, which come after a conversation's opening,
+    are left out)."""
+    messages = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else ():
+        role = field(item, "role")
+        if isinstance(role, str) and field(item, "type") in (None, "message"):
+            messages.append({"role": role, "content": as_text(field(item, "content"))})
+    return messages
+
+
+def responses_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The Responses API's function tools in chat's shape, as vLLM hands them to the template."""
+    functions = [
+        {"type": "function", "function": {k: field(t, k) for k in ("name", "description", "parameters")}}
+        for t in tools or ()
+        if field(t, "type") == "function"
+    ]
+    return functions or None
 
 
 def plain(value: Any) -> Any:
@@ -63,7 +92,19 @@ class PromptRenderer:
             tools = [plain(tool) for tool in request.tools]
         kwargs = dict(request.chat_template_kwargs or {})
         add_generation_prompt = kwargs.pop("add_generation_prompt", request.add_generation_prompt)
-        text = self._render(messages, tools, add_generation_prompt, kwargs)
+        return self._chat_text(messages, tools, add_generation_prompt, kwargs)
+
+    def render_responses(self, request: Any) -> PromptText:
+        """A Responses API request's prompt, as a chat of its instructions and input."""
+        messages = responses_messages(field(request, "instructions"), field(request, "input"))
+        choice = field(request, "tool_choice")
+        tools = responses_tools(field(request, "tools")) if choice != "none" else None
+        return self._chat_text(messages, tools, True, {})
+
+    def _chat_text(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, generation: bool, kwargs: dict[str, Any]
+    ) -> PromptText:
+        text = self._render(messages, tools, generation, kwargs)
         users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
         opening = self._render(messages[: users[0] + 1 if users else len(messages)], tools, False, kwargs)
         # (A template that renders a shorter conversation differently has no common opening.)
@@ -82,11 +123,13 @@ class PromptRenderer:
         return rendered[0]
 
     def render(self, request: Any) -> PromptText | None:
-        """The prompt text of a chat or completion request (either may be pickled); None if it has none."""
+        """The prompt text of a chat, completion or Responses API request (any may be pickled); None if it has none."""
         if isinstance(request, PickledRequest):
             request = request.load()
         if hasattr(request, "messages"):
             return self.render_chat(request)
+        if hasattr(request, "input"):
+            return self.render_responses(request)
         prompt = getattr(request, "prompt", None)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of prompts goes to one replica: key on the first

@@ -63,6 +63,24 @@ async def test_the_readmes_openai_client_streams_an_answer_without_error(app):
     assert printed == as_read, (printed, streamed)
 
 
+# Printed on the line after the README's Responses snippet's own output: what the response says of itself.
+RESPONSE_EPILOGUE = """
+import json
+_said = {"status": response.status, "tokens": response.usage.output_tokens, "text": response.output_text}
+print(json.dumps(_said))
+"""
+
+
+async def test_the_readmes_responses_call_prints_its_answers_text(app):
+    code = block_starting("README.md", "import openai").text.replace(README_URL, app.url)
+    done = await asyncio.to_thread(run, [sys.executable, "-c", code + RESPONSE_EPILOGUE])
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    printed, _, record = done.stdout.rstrip("\n").rpartition("\n")
+    said = json.loads(record)
+    assert said["status"] in ("completed", "incomplete") and 0 < said["tokens"] <= 64, said
+    assert printed == said["text"].replace("\r\n", "\n").replace("\r", "\n"), (printed, said)
+
+
 async def test_the_grpc_docs_client_streams_an_answer_and_its_final_response(app):
     code = block_starting("docs/grpc.md", "import asyncio").text.replace(GRPC_DOC_TARGET, app.grpc_target)
     done = await asyncio.to_thread(run, [sys.executable, "-c", code])

@@ -52,6 +52,9 @@ def test_workload_asks_for_exact_lengths():
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     chat = Workload("m", 8, 4, endpoint="chat")
     assert chat.path() == "/v1/chat/completions" and "messages" in chat.body()
+    responses = Workload("m", 8, 4, endpoint="responses")
+    assert responses.path() == "/v1/responses" and responses.body()["max_output_tokens"] == 4
+    assert responses.body()["ignore_eos"] is True and responses.body()["stream"] is True
 
 
 def test_chunks_carry_tokens_even_when_their_text_is_held_back():
@@ -62,6 +65,8 @@ def test_chunks_carry_tokens_even_when_their_text_is_held_back():
     assert not carries_tokens({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     assert not carries_tokens({"choices": [{"delta": {}, "finish_reason": "stop"}]})
     assert not carries_tokens({"choices": [], "usage": {"completion_tokens": 3}})
+    assert carries_tokens({"type": "response.output_text.delta", "delta": ""})  # the Responses API's
+    assert not carries_tokens({"type": "response.created", "response": {}})
 
 
 def test_levels_default_to_enough_requests_per_level():
@@ -319,7 +324,8 @@ async def test_sse_payloads_stay_whole_across_pieces_and_unicode_line_separators
     from benchmarks.client import sse_payloads
 
     events = ['{"text": "a\u2028b\\rc"}', '{"text": "\u0085"}', "[DONE]"]
-    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    body = "".join(f"data: {e}\n\n" for e in events[:-1]).encode()
+    body += f"event: response.done\ndata: {events[-1]}\n\n".encode()  # (an event that names itself)
     pieces = [body[i : i + 7] for i in range(0, len(body), 7)]  # cut anywhere, mid-character too
 
     async def stream():

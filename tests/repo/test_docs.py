@@ -19,6 +19,7 @@ RUN_BY = {
     ("README.md", "export RAY_AUTH_MODE=token"): "tests/e2e/test_local_setup.py (serve status, ray status)",
     ("README.md", "curl -N"): "tests/e2e/test_docs.py",
     ("README.md", "from openai import OpenAI"): "tests/e2e/test_docs.py",
+    ("README.md", "import openai"): "tests/e2e/test_docs.py",
     ("docs/performance.md", ".venv/bin/python -c"): "tests/repo/test_docs.py",
     ("docs/grpc.md", "import asyncio"): "tests/e2e/test_docs.py",
 }

@@ -31,14 +31,17 @@ def test_the_installed_vllm_is_the_one_the_internals_were_written_against() -> N
 def test_the_serving_classes_have_the_render_steps_and_prompt_count() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     for serving, step in (
         (OpenAIServingChat, vllm_internals.CHAT_RENDER_STEP),
         (OpenAIServingCompletion, vllm_internals.COMPLETION_RENDER_STEP),
+        (OpenAIServingResponses, vllm_internals.RESPONSES_RENDER_STEP),
     ):
         assert inspect.iscoroutinefunction(getattr(serving, step)), (serving, step)
         assert callable(serving._extract_prompt_len), serving
     assert assigns(OpenAIServingChat, "parser_cls")
+    assert assigns(OpenAIServingResponses, "parser")
 
 
 def test_the_renderers_have_the_chat_rendering_and_parser() -> None:

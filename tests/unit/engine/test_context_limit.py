@@ -84,3 +84,20 @@ async def test_a_prompt_whose_logprobs_are_asked_is_held_to_its_token_cap_on_the
     serving = RenderingServing(5000)
     enforce_context_limit(serving, "render", max_logprobs_prompt_tokens=100)
     assert not isinstance(await serving.render(not_asked), ErrorLike)
+
+
+class RenderingResponses(RenderingServing):
+    """vLLM's Responses serving as the wrapper meets it: one render result holding its engine input."""
+
+    async def render(self, request: Any) -> Any:
+        return SimpleNamespace(messages=[], engine_input="rendered")
+
+
+async def test_a_responses_request_is_held_to_the_context_by_its_max_output_tokens() -> None:
+    serving = RenderingResponses(1000)
+    enforce_context_limit(serving, "render")
+    fits = SimpleNamespace(max_output_tokens=24, input="hi", prompt_logprobs=None, echo=False)
+    assert not isinstance(await serving.render(fits), ErrorLike)
+    refused = await serving.render(SimpleNamespace(max_output_tokens=25, input="hi", prompt_logprobs=None, echo=False))
+    assert isinstance(refused, ErrorLike) and refused.param == "max_output_tokens"
+    assert "Lower max_output_tokens to at most 24" in refused.message

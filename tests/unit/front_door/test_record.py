@@ -145,6 +145,19 @@ def test_completion_text_reads_whole_answers_and_streams():
     assert completion_text(b"not json", stream=False) is None
 
 
+def test_completion_text_reads_a_responses_answer_whole_or_streamed():
+    output = [
+        {"type": "message", "content": [{"type": "output_text", "text": "hi"}]},
+        {"type": "function_call", "name": "f", "arguments": "{}"},
+    ]
+    whole = {"object": "response", "output": output}
+    assert completion_text(json.dumps(whole).encode(), stream=False) == ['hi{"name": "f", "arguments": "{}"}']
+    final = {"type": "response.incomplete", "response": whole}
+    streamed = f"event: response.output_text.delta\ndata: {json.dumps({'delta': 'hi'})}\n\n"
+    streamed += f"event: response.incomplete\ndata: {json.dumps(final)}\n\n"
+    assert completion_text(streamed.encode(), stream=True) == completion_text(json.dumps(whole).encode(), stream=False)
+
+
 def test_a_client_that_leaves_is_recorded_as_aborted():
     record = RequestRecord("chat", status=CLIENT_GONE)
     assert record.aborted and record.tpot_s is None

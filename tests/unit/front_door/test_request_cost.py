@@ -264,3 +264,30 @@ def test_a_body_is_measured_once_for_every_rule():
     assert measure(body) == BodySize(
         prompt_size(body), len('{"type":"json_object"}'), "response_format", Asked("top_logprobs", 1), Asked("echo", 0)
     )
+
+
+RESPONSES = {"model": "m", "input": "hello", "instructions": "Be brief.", "max_output_tokens": 4}
+
+
+def test_a_responses_prompt_is_its_input_instructions_and_tools():
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    size = prompt_size(RESPONSES | {"tools": tools})
+    assert (size.prompts, size.param) == (1, "input")
+    assert size.characters == len("hello") + len("Be brief.") + len("typefunctionnamefparameterstypeobject")
+    assert refusal(RESPONSES | {"input": "x" * 20_000}).param == "input"
+
+
+def test_max_output_tokens_is_held_to_the_servers_ceiling():
+    assert refusal(RESPONSES | {"max_output_tokens": 1001}).param == "max_output_tokens"
+
+
+def test_a_responses_text_format_is_a_grammar_spec_and_plain_text_is_not():
+    schema = {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}
+    assert set(grammar_specs(RESPONSES | {"text": schema})) == {"text"}
+    assert grammar_specs(RESPONSES | {"text": {"format": {"type": "text"}}}) == {}
+
+
+def test_responses_logprobs_are_asked_by_include():
+    assert logprobs_asked(RESPONSES | {"top_logprobs": 5}) is None
+    asked = logprobs_asked(RESPONSES | {"top_logprobs": 5, "include": ["message.output_text.logprobs"]})
+    assert asked == Asked("top_logprobs", 6)

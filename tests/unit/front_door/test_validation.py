@@ -23,10 +23,12 @@ from tests.hostile_requests import (
     COMPLETION_PATH,
     HOSTILE,
     MODEL,
+    RESPONSES_PATH,
     Hostile,
     chat,
     encoded,
     padded,
+    responses,
 )
 from tests.openai_errors import assert_openai_error
 from tests.request_strategies import request_bodies
@@ -128,6 +130,35 @@ def test_valid_chat_requests_pass(app, body):
 def test_valid_completion_requests_pass(app, body):
     client, _ = app
     assert client.post(COMPLETION_PATH, json=body).status_code == 200
+
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        responses(),
+        responses(instructions="Be brief.", stream=True, temperature=0.5, top_p=0.9, store=False),
+        responses(
+            input=[
+                {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+        ),
+        responses(text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}, "strict": True}}),
+        responses(include=["message.output_text.logprobs"], top_logprobs=5, ignore_eos=True),
+    ],
+    ids=["plain", "stream with instructions", "function tool round trip", "structured output", "logprobs"],
+)
+def test_valid_responses_requests_pass_with_a_response_id(app, body):
+    client, handle = app
+    response = client.post(RESPONSES_PATH, json=body)
+    assert response.status_code == 200, response.text
+    assert handle.payloads[-1].model == MODEL and handle.payloads[-1].request_id.startswith("resp_")
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting():

@@ -61,3 +61,22 @@ def test_a_pickled_large_request_renders_as_the_request_itself():
     request = chat([SYSTEM, {"role": "user", "content": "a large body " * 10}])
     pickled = PickledRequest(pickle.dumps(request), request_id="r", stream=True)
     assert RENDERER.render(pickled) == RENDERER.render(request)
+
+
+def test_a_responses_request_is_keyed_as_the_chat_vllm_renders_it_from():
+    """Instructions are the system message and input items the messages (vLLM's construct_input_messages),
+    so a conversation is routed alike, whichever of the two APIs carries it."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    user = {"role": "user", "content": "line one"}
+    tool = {"type": "function", "name": "weather", "parameters": {"type": "object"}}
+    responses = ResponsesRequest.model_validate(
+        {"model": "glm-4-9b-chat", "instructions": SYSTEM["content"], "input": [user], "tools": [tool]}
+    )
+    as_string = ResponsesRequest.model_validate(
+        {"model": "glm-4-9b-chat", "instructions": SYSTEM["content"], "input": "line one", "tools": [tool]}
+    )
+    as_chat = chat([SYSTEM, user], tools=TOOLS)
+    assert RENDERER.render(responses) == RENDERER.render(as_string) == RENDERER.render(as_chat)
+    parsed_body = {"instructions": SYSTEM["content"], "input": "line one", "tools": [tool]}  # (the picker's namespace)
+    assert RENDERER.render_responses(parsed_body) == RENDERER.render(as_string)
