@@ -122,6 +122,11 @@ def use_chat_parser(state: Any, parser_cls: type) -> None:
     state.online_renderer.parser = parser_cls
 
 
+def wrap_engine_client(serving: Any, wrap: Callable[[Any], Any]) -> None:
+    """Make a serving object call its engine through ``wrap(engine)`` (it keeps it as ``engine_client``)."""
+    serving.engine_client = wrap(serving.engine_client)
+
+
 @contextlib.contextmanager
 def process_logging_kept() -> Iterator[None]:
     """Keep this process's log handlers writing while vLLM builds an engine.

@@ -33,6 +33,7 @@ class StreamBatchingConfig(StrictModel):
     and larger messages when it is busy and each stream's tokens come slowly anyway.
     It sets vLLM's per-request ``stream_interval``: a stream's first and last chunks
     are always sent at once, and a client that sets ``stream_interval`` keeps its own.
+    The Responses API's generations get it too (a delta event per chunk).
     """
 
     requests_per_token: int = Field(

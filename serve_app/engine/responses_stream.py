@@ -1,11 +1,12 @@
-"""The Responses API's answers as the front door takes them. Runs in each model replica.
+"""The Responses API's answers as the front door takes them, at chat's cost. Runs in each model replica.
 
 vLLM's Responses serving answers with a ``ResponsesResponse`` or an async generator of
 event objects (its own router frames them). Here each event is framed as SSE as that
 router frames it (``event: <type>`` and its JSON), the answer's :class:`Outcome` is read
 from the final event's response (usage, status, output items: no text is parsed), and a
 failure after the stream began becomes an ``error`` event, the stream's last
-(:func:`serve_app.errors.responses_error_event`).
+(:func:`serve_app.errors.responses_error_event`). :class:`StreamBatchingEngine` gives its
+generations chat's stream batching, which vLLM's Responses request has no field for.
 """
 
 from __future__ import annotations
@@ -91,3 +92,24 @@ class ResponsesStream:
         except Exception:
             logger.exception("a Responses stream failed after it began")
             yield responses_error_event(*self.failure(), sequence_number=sequence_number + 1).decode()
+
+
+class StreamBatchingEngine:
+    """vLLM's engine as its Responses serving calls it, each generation given the tokens per chunk
+    the engine's load asks for (``StreamBatchingConfig``), as chat's streams get them through
+    their ``stream_interval``: under load a Responses stream, whose every delta is an event
+    object built, framed and sent, had several times chat's messages per token. Everything
+    else is the engine's."""
+
+    def __init__(self, engine: Any, tokens_per_chunk: Callable[[int], int]) -> None:
+        self._engine = engine
+        self._tokens_per_chunk = tokens_per_chunk
+
+    def generate(self, engine_input: Any, sampling_params: Any, *args: Any, **kwargs: Any) -> Any:
+        if sampling_params.stream_interval is None:
+            held = self._engine.get_num_unfinished_requests()
+            sampling_params.stream_interval = self._tokens_per_chunk(held)
+        return self._engine.generate(engine_input, sampling_params, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

@@ -26,7 +26,7 @@ from serve_app import vllm_internals
 from serve_app.config import ModelConfig, PromptLogprobsConfig
 from serve_app.engine.build import build_engine, engine_config, serving_state
 from serve_app.engine.engine_watch import EngineProgress, EngineWatch
-from serve_app.engine.responses_stream import ResponsesStream, response_outcome
+from serve_app.engine.responses_stream import ResponsesStream, StreamBatchingEngine, response_outcome
 from serve_app.engine.stream_transforms import (
     OutcomeTap,
     coalesce,
@@ -87,6 +87,8 @@ class EngineServer:
         self.chat_serving = state.openai_serving_chat
         self.completion_serving = state.openai_serving_completion
         self.responses_serving = state.openai_serving_responses
+        batching = self.stream_batching.tokens_per_chunk
+        vllm_internals.wrap_engine_client(self.responses_serving, lambda e: StreamBatchingEngine(e, batching))
         self.max_model_len = config.vllm_config.model_config.max_model_len
         self.watch = EngineWatch(
             engine_dead=lambda: self.engine.errored,

@@ -47,13 +47,7 @@ def check_served(body: dict[str, Any]) -> None:
                 param=f"include.{i}",
             )
     for i, tool in enumerate(_listed(body.get("tools"))):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if isinstance(kind, str) and kind != "function":
-            raise APIError(
-                400,
-                f"tools.{i}.type is '{quoted(kind)}': OpenAI's hosted tools are not served; offer function tools",
-                param=f"tools.{i}.type",
-            )
+        check_type(tool, f"tools.{i}", ("function",), "OpenAI's hosted tools are not served; offer function tools")
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, Mapping) else None
     if (isinstance(choice, str) and choice not in SERVED_TOOL_CHOICES) or (kind is not None and kind != "function"):
@@ -69,22 +63,20 @@ def check_item(item: Any, where: str) -> None:
     """One ``input`` item: a message of text, a function call or a function call's output."""
     if not isinstance(item, Mapping):
         return  # (the request model says what is wrong with it)
-    kind = item.get("type", "message")
-    if isinstance(kind, str) and kind not in SERVED_ITEMS:
-        raise APIError(
-            400,
-            f"{where}.type is '{quoted(kind)}'; this server takes input items of types {', '.join(SERVED_ITEMS)}",
-            param=f"{where}.type",
-        )
+    check_type(
+        item, where, SERVED_ITEMS, f"this server takes input items of types {', '.join(SERVED_ITEMS)}", "message"
+    )
     for j, part in enumerate(_listed(item.get("content"))):
-        part_kind = part.get("type") if isinstance(part, Mapping) else None
-        if isinstance(part_kind, str) and part_kind not in SERVED_CONTENT:
-            raise APIError(
-                400,
-                f"{where}.content.{j}.type is '{quoted(part_kind)}'; GLM-4-9B-Chat reads text only "
-                f"({', '.join(SERVED_CONTENT)})",
-                param=f"{where}.content.{j}.type",
-            )
+        check_type(
+            part, f"{where}.content.{j}", SERVED_CONTENT, f"GLM-4-9B-Chat reads text only ({', '.join(SERVED_CONTENT)})"
+        )
+
+
+def check_type(value: Any, where: str, served: tuple[str, ...], why: str, default: str | None = None) -> None:
+    """400 naming ``<where>.type`` when ``value`` is an object whose ``type`` is not one of ``served``."""
+    kind = value.get("type", default) if isinstance(value, Mapping) else None
+    if isinstance(kind, str) and kind not in served:
+        raise APIError(400, f"{where}.type is '{quoted(kind)}': {why}", param=f"{where}.type")
 
 
 def _listed(value: Any) -> list[Any]:

@@ -15,22 +15,13 @@ import ray
 from serve_app.front_door import metrics
 from tests.e2e.harness.serve_state import request_log_lines
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, settled, total
+from tests.glm4_conversations import WEATHER_TOOL
 from tests.json_schemas import parse_and_check
 from tests.waiting import wait_until
 
 # GLM-4's stop tokens are the engine's EOS tokens: ignore_eos lets an answer run to max_output_tokens.
 EXACTLY = {"ignore_eos": True}
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Beijing", "Paris"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}  # (the Responses API names it at the top)
 ASK = "What is the weather in Paris?"
 CALL_TOKENS = 200  # room for the random model to finish the constrained JSON of one call
 ANSWER = {

@@ -42,6 +42,9 @@ def test_the_serving_classes_have_the_render_steps_and_prompt_count() -> None:
         assert callable(serving._extract_prompt_len), serving
     assert assigns(OpenAIServingChat, "parser_cls")
     assert assigns(OpenAIServingResponses, "parser")
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+
+    assert issubclass(OpenAIServingResponses, GenerateBaseServing) and assigns(GenerateBaseServing, "engine_client")
 
 
 def test_the_renderers_have_the_chat_rendering_and_parser() -> None:

@@ -21,7 +21,7 @@ from vllm.entrypoints.openai.responses.protocol import (
     ResponseUsage,
 )
 
-from serve_app.engine.responses_stream import ResponsesStream, response_outcome
+from serve_app.engine.responses_stream import ResponsesStream, StreamBatchingEngine, response_outcome
 from serve_app.protocol import EMPTY_CONTENT, Outcome, trailing_error
 
 USAGE = ResponseUsage(
@@ -119,3 +119,34 @@ async def test_a_stream_that_breaks_ends_with_an_error_event_after_the_last_sequ
     assert data["error"]["code"] == data["code"] == "engine_failed" and data["sequence_number"] == 2
     assert trailing_error("".join(frames)) == (500, "engine_failed")  # what the front door records
     assert stream.outcome is None
+
+
+class HoldingEngine:
+    """An engine holding ``held`` requests, which records what it was asked to generate."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+        self.asked: list[tuple] = []
+        self.errored = False
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.held
+
+    def generate(self, engine_input, sampling_params, request_id, **kwargs):
+        self.asked.append((engine_input, sampling_params.stream_interval, request_id, kwargs))
+        return "generator"
+
+
+def test_responses_generations_get_the_tokens_per_chunk_of_the_engines_load():
+    from vllm import SamplingParams
+
+    from serve_app.config.models import StreamBatchingConfig
+
+    engine = HoldingEngine(held=12)
+    batching = StreamBatchingConfig()
+    batched = StreamBatchingEngine(engine, batching.tokens_per_chunk)
+    assert batched.generate("prompt", SamplingParams(), "resp_1_0", priority=3) == "generator"
+    assert engine.asked == [("prompt", batching.tokens_per_chunk(12), "resp_1_0", {"priority": 3})]
+    batched.generate("prompt", SamplingParams(stream_interval=1), "resp_2_0")  # (one set already is kept)
+    assert engine.asked[-1][1] == 1
+    assert batched.errored is False  # everything else is the engine's
