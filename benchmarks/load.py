@@ -224,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grpc-application",
         help="the Serve application to call (gRPC metadata 'application'); needed where the cluster runs several",
     )
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
     parser.add_argument("--input-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
     loads = parser.add_mutually_exclusive_group(required=True)
