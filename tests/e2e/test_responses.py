@@ -1,19 +1,24 @@
-"""OpenAI's Responses API through the official SDK, answered by the real CPU engine through the same
-front door as chat: exact lengths unary and streamed, a function tool's round trip, structured output
-that parses, and each answer counted and logged under its endpoint. (What is not served gets its
-named 400 in tests/hostile_requests.py's table, run against this app by tests/e2e/test_hostile.py.)"""
+"""OpenAI's Responses API through the official SDK, through the same front door as chat: on the
+real CPU engine, exact lengths unary and streamed, a function tool's round trip, structured output
+that parses, each answer counted and logged under its endpoint; on the simulated bed, streams whose
+clients leave let go by the engine. (What is not served gets its named 400 in
+tests/hostile_requests.py's table, run against this app by tests/e2e/test_hostile.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 import ray
 
 from serve_app.front_door import metrics
+from serve_app.simulated_engine.controls import Control
+from tests.e2e.harness.bodies import LONG
 from tests.e2e.harness.serve_state import request_log_lines
+from tests.e2e.harness.streams import open_streams
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, settled, total
 from tests.glm4_conversations import WEATHER_TOOL
 from tests.json_schemas import parse_and_check
@@ -151,3 +156,16 @@ async def test_a_response_is_counted_and_logged_under_its_endpoint(app, client, 
 
     line = await wait_until(lambda: asyncio.to_thread(logged), 30, f"the log line of {response_id}")
     assert (line["endpoint"], line["stream"], line["status"], line["completion_tokens"]) == ("responses", True, 200, 5)
+
+
+async def test_responses_streams_whose_clients_leave_leave_the_engine(bed):
+    """Four long Responses streams whose clients leave once each has its first event: the engine
+    lets every one go. At a tenth of the engine's pace they cannot end by themselves (900 tokens
+    take a minute)."""
+    app = bed.app
+    await bed.engines.control_all(Control.PACE, 10.0)
+    body = {"model": app.model, "input": "Count.", "max_output_tokens": LONG, "stream": True, **EXACTLY}
+    async with httpx.AsyncClient(base_url=app.url, timeout=120) as client:
+        async with open_streams(client, body, 4, "/v1/responses"):
+            await bed.engines.wait_until_holding(4, within_s=30)
+        await bed.engines.wait_until_holding(0, within_s=30)
