@@ -89,7 +89,7 @@ def test_the_head_keeps_its_state_when_the_redis_primary_is_lost(redis_set):
         start_args=("--redis-password", redis_set.password),
     )
     try:
-        cluster.start()
+        cluster.start_as_a_pod()
         assert keeper(cluster, "make") == "pong"
 
         redis_set.kill(first, "redis")
@@ -116,7 +116,7 @@ def test_the_head_keeps_its_state_when_the_redis_primary_is_lost(redis_set):
             "the old primary back as a replica of the new one",
         )
 
-        cluster.start()  # the head pod's restart
+        cluster.start_as_a_pod()  # the head pod's restart
         assert keeper(cluster, "find") == "pong"
     finally:
         cluster.stop()
