@@ -86,11 +86,18 @@ $(TINY_W4A16)/config.json: $(TINY_MODEL)/tiny_model.json serve_app/ops/quantise_
 # Token authentication is on, as in production, whatever ran before: the token is
 # ~/.ray/auth_token (created here if absent), and Ray's own commands need RAY_AUTH_MODE=token.
 # Ray starts with Serve's cluster settings from deploy/cluster.env. One line says when the app can answer.
+# A config that keeps stored responses in Redis (deploy/config.sim.yaml) gets a Redis of this
+# machine's (Debian's, `make servers`), stopped with the app, unless the environment names one;
+# a line says where they live.
+SERVE_REDIS := $(VENV)/responses-redis
 serve: export RAY_AUTH_MODE = token
 serve: install tiny-model
 	$(BIN)/ray get-auth-token --generate > /dev/null
-	env $$($(BIN)/python -m tools.cluster_env) $(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats
-	trap '$(BIN)/ray stop' EXIT INT TERM; \
+	umask 077; $(BIN)/python -m tools.local_redis start $(CONFIG) $(SERVE_REDIS) > $(SERVE_REDIS).env
+	env $$($(BIN)/python -m tools.cluster_env) $$(cat $(SERVE_REDIS).env) \
+		$(BIN)/ray start --head --metrics-export-port=8080 --disable-usage-stats \
+		|| { $(BIN)/python -m tools.local_redis stop $(SERVE_REDIS); exit 1; }
+	trap '$(BIN)/ray stop; $(BIN)/python -m tools.local_redis stop $(SERVE_REDIS)' EXIT INT TERM; \
 	$(BIN)/python -m tools.ready_line $(CONFIG) & \
 	env $$($(BIN)/python -m tools.cluster_env) $(BIN)/serve run --address auto $(CONFIG)
 

@@ -92,7 +92,8 @@ def simulated_vllm(config: dict[str, Any], model: str | None, workdir: Path, cwd
 
 
 def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path) -> ServerCommand:
-    """``serve run`` on a copy of the config with one replica of everything and no API keys.
+    """``serve run`` on a copy of the config with one replica of everything, no API keys, and
+    stored responses in that replica's memory.
 
     One replica each, so both sides run one engine (autoscaling would add a second engine
     mid-run); no keys, because bare vLLM is measured without them.
@@ -104,7 +105,11 @@ def this_app(config: dict[str, Any], model: str | None, workdir: Path, cwd: Path
         pinned["grpc_options"] = dict(config["grpc_options"], port=grpc_port)
     app = dict(application, args=dict(application["args"]))
     app["args"]["models"] = [pin_one_replica(entry)]
-    app["args"]["ingress"] = {k: v for k, v in (app["args"].get("ingress") or {}).items() if k != "api_keys"}
+    ingress = {k: v for k, v in (app["args"].get("ingress") or {}).items() if k != "api_keys"}
+    # One replica keeps stored responses in its own memory: no Redis beside the measured app.
+    if "responses_store" in ingress:
+        ingress["responses_store"] = {k: v for k, v in ingress["responses_store"].items() if k != "redis"}
+    app["args"]["ingress"] = ingress
     pinned["applications"] = [app]
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(pinned, sort_keys=False))

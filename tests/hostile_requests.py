@@ -335,6 +335,14 @@ HOSTILE: list[Hostile] = [
     Hostile("unknown item type", encoded(responses(input=[{"type": "banana"}])), 400, "input.0.type", RESPONSES_PATH),
     Hostile("no input", encoded({"model": MODEL}), 400, "input", RESPONSES_PATH),
     Hostile("conversation", encoded(responses(conversation="conv_1")), 400, "conversation", RESPONSES_PATH),
+    Hostile("background, not stored", encoded(responses(background=True, store=False)), 400, "store", RESPONSES_PATH),
+    Hostile(
+        "previous_response_id a number",
+        encoded(responses(previous_response_id=5)),
+        400,
+        "previous_response_id",
+        RESPONSES_PATH,
+    ),
     Hostile("reasoning effort", encoded(responses(reasoning={"effort": "low"})), 400, "reasoning", RESPONSES_PATH),
     Hostile("max_output_tokens 0", encoded(responses(max_output_tokens=0)), 400, "max_output_tokens", RESPONSES_PATH),
     Hostile(

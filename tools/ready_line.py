@@ -6,7 +6,10 @@ as the ingress runs, a minute or more before an engine has loaded. ``/health``
 is the readiness signal (200 once every model has a running replica), so this
 waits for it, then prints::
 
-    ready: http://127.0.0.1:8000/v1 serves glm-4-9b-chat (Ctrl-C stops it)
+    ready: http://127.0.0.1:8000/v1 serves glm-4-9b-chat; stored responses live in the model
+    replica's memory (Ctrl-C stops it)
+
+(one line; "in Redis" where the config keeps them there).
 
 A config of several applications gets one such line each, once all of them answer.
 
@@ -36,9 +39,12 @@ POLL_S = 1.0
 class LocalApp:
     base_url: str  # scheme, host, port and route prefix: ``/health`` and ``/v1`` hang below it
     models: tuple[str, ...]
+    responses_in_redis: bool = False  # ingress.responses_store.redis is set
 
     def line(self) -> str:
-        return f"ready: {self.base_url}/v1 serves {', '.join(self.models)} (Ctrl-C stops it)"
+        where = "in Redis" if self.responses_in_redis else "in the model replica's memory"
+        served = f"{self.base_url}/v1 serves {', '.join(self.models)}"
+        return f"ready: {served}; stored responses live {where} (Ctrl-C stops it)"
 
 
 def local_apps(config: dict[str, Any]) -> list[LocalApp]:
@@ -50,7 +56,8 @@ def local_apps(config: dict[str, Any]) -> list[LocalApp]:
     for application in config["applications"]:
         prefix = (application.get("route_prefix") or "/").rstrip("/")
         models = tuple(model["name"] for model in application["args"]["models"])
-        apps.append(LocalApp(f"http://{host}:{http.get('port', 8000)}{prefix}", models))
+        store = (application["args"].get("ingress") or {}).get("responses_store") or {}
+        apps.append(LocalApp(f"http://{host}:{http.get('port', 8000)}{prefix}", models, store.get("redis") is not None))
     return apps
 
 

@@ -11,7 +11,15 @@ Runs in the application's build, which validates the config; the replicas hold w
 
 from serve_app.config.app import AppConfig, ConfigError, parse_app_config
 from serve_app.config.checks import split_engine_args
-from serve_app.config.ingress import APIKeysConfig, CORSConfig, IngressConfig, PromptLogprobsConfig, RateLimitsConfig
+from serve_app.config.ingress import (
+    APIKeysConfig,
+    CORSConfig,
+    IngressConfig,
+    PromptLogprobsConfig,
+    RateLimitsConfig,
+    RedisStoreConfig,
+    ResponsesStoreConfig,
+)
 from serve_app.config.models import ModelConfig, SimulatedEngineConfig, sized_for
 
 __all__ = [
@@ -20,6 +28,8 @@ __all__ = [
     "CORSConfig",
     "ConfigError",
     "IngressConfig",
+    "RedisStoreConfig",
+    "ResponsesStoreConfig",
     "ModelConfig",
     "PromptLogprobsConfig",
     "RateLimitsConfig",

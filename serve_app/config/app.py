@@ -105,6 +105,21 @@ class AppConfig(StrictModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _one_replica_per_in_process_store(self) -> AppConfig:
+        if self.ingress.responses_store.redis is not None:
+            return self
+        for i, model in enumerate(self.models):
+            options = model.deployment
+            most = (options.get("autoscaling_config") or {}).get("max_replicas", options.get("num_replicas", 1))
+            if most == "auto" or (isinstance(most, int) and most > 1):
+                raise ValueError(
+                    f"models.{i}.deployment may run {most} replicas, but stored responses are kept in each "
+                    "replica's memory: a GET or a previous_response_id could reach a replica that holds nothing; "
+                    'set ingress.responses_store.redis (docs/api-behaviour.md, "Where answers live")'
+                )
+        return self
+
 
 class ConfigError(ValueError):
     """The serve config's application arguments are invalid."""

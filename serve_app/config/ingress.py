@@ -112,6 +112,79 @@ class PromptLogprobsConfig(StrictModel):
     )
 
 
+class RedisStoreConfig(StrictModel):
+    """The Redis that holds stored responses and background answers' event logs for every replica.
+
+    Read in each replica from its environment (a Kubernetes Secret fills it): a replica whose
+    variable is unset does not start, so a configured store never silently means none.
+    """
+
+    url_env: str = Field(
+        default="RESPONSES_STORE_URL",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding the Redis URL, redis://host:port/db (with "
+        "sentinel_master set: a Sentinel's URL, redis://host:26379).",
+    )
+    password_env: str | None = Field(
+        default="RESPONSES_STORE_PASSWORD",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding Redis's password (and the Sentinels'); null: none, "
+        "or password_file.",
+    )
+    password_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Path of a file holding Redis's password (a mounted Secret), read as the replica starts; "
+        "set password_env to null with it.",
+    )
+    sentinel_master: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The name the Sentinels know the primary by: the URL names a Sentinel, which is asked for "
+        "the primary and, after a failover, for the new one.",
+    )
+
+    @model_validator(mode="after")
+    def _one_password(self) -> RedisStoreConfig:
+        if self.password_env is not None and self.password_file is not None:
+            raise ValueError("set at most one of 'password_env' and 'password_file'")
+        return self
+
+
+class ResponsesStoreConfig(StrictModel):
+    """Where the Responses API keeps stored responses (``store``, ``previous_response_id``, ``GET
+    /v1/responses/{id}``) and background answers' event logs (docs/api-behaviour.md, "Where answers live")."""
+
+    redis: RedisStoreConfig | None = Field(
+        default=None,
+        description="Unset: each replica keeps them in its own memory, which only a model deployment of one "
+        "replica may do (the config is refused otherwise: a GET could reach a replica that holds nothing).",
+    )
+    ttl_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="How long a stored response and its event log are kept after they last changed.",
+    )
+    max_per_key: int = Field(
+        default=1000,
+        ge=1,
+        description="Most stored responses one API key (or, without keys, all clients together) keeps; "
+        "a new one past it removes the key's oldest.",
+    )
+    max_background_per_replica: int = Field(
+        default=64,
+        ge=1,
+        description="Most background answers one replica generates at once; past it, 429. They are counted "
+        "apart from Serve's max_ongoing_requests, which counts connections.",
+    )
+    lease_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A background answer's replica renews its lease every third of this; a reader that finds "
+        "the lease lapsed ends the answer failed, with an error event every reader sees.",
+    )
+
+
 class IngressConfig(StrictModel):
     """The front door every model replica runs for its clients (HTTP and gRPC): the limits it enforces."""
 
@@ -233,6 +306,10 @@ class IngressConfig(StrictModel):
         description="GET /health answers from Serve's status, read in the background every second; "
         "if the Serve controller has not answered for this long (its head pod gone, or stalled), "
         "each replica answers for itself instead: 200 while its own engine serves, 503 once it failed.",
+    )
+    responses_store: ResponsesStoreConfig = Field(
+        default_factory=ResponsesStoreConfig,
+        description="Where stored responses and background answers live (in-process unless redis is set).",
     )
     request_timeout_s: float = Field(
         default=600.0,

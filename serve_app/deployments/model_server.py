@@ -160,7 +160,10 @@ class ModelServer:
     async def engine_load(self) -> tuple[str, int]:
         return await self.engine.engine_load()
 
-    def __del__(self) -> None:  # Serve is stopping this replica
+    async def __del__(self) -> None:  # Serve is stopping this replica, its requests drained
+        settings = getattr(self, "settings", None)
+        if settings is not None and settings.stored_responses is not None:
+            await settings.stored_responses.background.drain()  # (within graceful_shutdown_timeout_s)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()

@@ -66,6 +66,29 @@ def sse_event(event: Any) -> str:
     return f"event: {event.type}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
+@dataclass(frozen=True)
+class ResponseEcho:
+    """What the front door did for a Responses request itself, which vLLM's serving must not act on
+    here and its responses must still say: ``background`` (the front door runs it detached; vLLM's
+    own would need its in-process store) and ``previous_response_id`` (the front door put that
+    conversation in the input; vLLM's would look it up in its own store)."""
+
+    background: bool = False
+    previous_response_id: str | None = None
+
+    @classmethod
+    def split(cls, request: Any) -> tuple[Any, ResponseEcho | None]:
+        """The request as vLLM is given it, and what to echo (None: nothing was taken out)."""
+        if not request.background and request.previous_response_id is None:
+            return request, None
+        echo = cls(bool(request.background), request.previous_response_id)
+        return request.model_copy(update={"background": False, "previous_response_id": None}), echo
+
+    def apply(self, response: Any) -> None:
+        if response is not None:
+            response.background, response.previous_response_id = self.background, self.previous_response_id
+
+
 @dataclass
 class ResponsesStream:
     """One Responses stream: its events framed (:meth:`frames`), its outcome kept once it ends.
@@ -75,6 +98,7 @@ class ResponsesStream:
     """
 
     failure: Callable[[], tuple[int, str, str | None]]
+    echo: ResponseEcho | None = None
     outcome: Outcome | None = None
 
     async def frames(self, events: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -86,6 +110,8 @@ class ResponsesStream:
                     message, code = str(getattr(event, "message", "")), getattr(event, "code", None)
                     yield responses_error_event(500, message, code, sequence_number).decode()
                     return
+                if self.echo is not None:
+                    self.echo.apply(getattr(event, "response", None))
                 if event.type in FINAL_EVENTS:
                     self.outcome = response_outcome(event.response)
                 yield sse_event(event)

@@ -26,7 +26,7 @@ from serve_app import vllm_internals
 from serve_app.config import ModelConfig, PromptLogprobsConfig
 from serve_app.engine.build import build_engine, engine_config, serving_state
 from serve_app.engine.engine_watch import EngineProgress, EngineWatch
-from serve_app.engine.responses_stream import ResponsesStream, StreamBatchingEngine, response_outcome
+from serve_app.engine.responses_stream import ResponseEcho, ResponsesStream, StreamBatchingEngine, response_outcome
 from serve_app.engine.stream_transforms import (
     OutcomeTap,
     coalesce,
@@ -167,8 +167,9 @@ class EngineServer:
             yield _unavailable()
             return
         streaming = bool(getattr(request, "stream", False))
+        request, echo = ResponseEcho.split(request) if responses else (request, None)
         tap = _outcome_tap(request) if streaming and not responses else None
-        framed = ResponsesStream(self._stream_failure) if streaming and responses else None
+        framed = ResponsesStream(self._stream_failure, echo) if streaming and responses else None
         if tap is not None and request.stream_interval is None:  # see StreamBatchingConfig
             held = self.engine.get_num_unfinished_requests()
             request.stream_interval = self.stream_batching.tokens_per_chunk(held)
@@ -184,6 +185,8 @@ class EngineServer:
                 else Reply.error(result.error.code, result.error.message, result.error.param)
             )
         elif isinstance(result, BaseModel):
+            if echo is not None:
+                echo.apply(result)
             outcome = response_outcome(result) if responses else _outcome_of(result)
             yield Reply(200, result.model_dump_json(by_alias=responses).encode(), outcome)
         else:

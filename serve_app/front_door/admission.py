@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,7 @@ from serve_app.front_door.large_bodies import LARGE_BODY_BYTES
 from serve_app.front_door.models import ModelCatalog, ModelEntry
 from serve_app.front_door.rate_limits import KeyLimits
 from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.request_body import RequestBody
+from serve_app.front_door.request_body import JSONBody, RequestBody
 from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
 from serve_app.front_door.settings import IngressSettings
 from serve_app.front_door.validation import parse_request
@@ -100,6 +102,21 @@ async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCou
     return functools.partial(limits.charge, record.key_id) if limits.counts_tokens else None
 
 
+# Turns a decoded body into the one admitted, before it is validated (a Responses request's
+# previous_response_id into its conversation: serve_app.front_door.stored_responses.history).
+Expand = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+EXPANDED_FIELD = b'"previous_response_id"'  # only a body naming it is expanded
+
+
+async def expanded_large_body(body: RequestBody, expand: Expand) -> RequestBody:
+    """A large body, expanded: decoded and encoded again off the event loop, as the checker needs bytes."""
+    if EXPANDED_FIELD not in body.json():
+        return body
+    fields = await asyncio.to_thread(lambda: decode_body(body.json()))
+    expanded = await expand(fields)
+    return body if expanded is fields else JSONBody(await asyncio.to_thread(lambda: json.dumps(expanded).encode()))
+
+
 @dataclass(frozen=True)
 class Admitted:
     """A request let through: the model that answers it, the request to send, and whom to tell its tokens."""
@@ -116,9 +133,11 @@ async def admit(
     settings: IngressSettings,
     record: RequestRecord,
     hold: SlotHold | None = None,
+    expand: Expand | None = None,
 ) -> Admitted:
     """Every rule between a request's body and the engine (the module's docstring), raising the
-    :class:`APIError` the client gets."""
+    :class:`APIError` the client gets. ``expand``: what the decoded body becomes first, once its key
+    is admitted."""
     if body.size > settings.max_request_body_bytes:
         raise APIError(413, f"the request is {body.size} bytes; the limit is {settings.max_request_body_bytes} bytes")
     # A key's limits before any work its body costs (parsing, the checker, a grammar's build): a key
@@ -127,6 +146,8 @@ async def admit(
     on_tokens = await admit_key(settings.key_limits, record)
     payload: GenerationRequest
     large = body.size > LARGE_BODY_BYTES
+    if large and expand is not None:
+        body = await expanded_large_body(body, expand)
     if large:  # checked in another process: it would stall every stream here
         checked = await settings.body_checker.check(endpoint.request_model, *body.for_checker(), record.key_id)
         fields, payload, size = checked.fields, checked.request, checked.size
@@ -134,6 +155,8 @@ async def admit(
         check_limits(fields, entry, settings, size)
     else:
         fields = decode_body(body.json())
+        if expand is not None:
+            fields = await expand(fields)
         entry, payload, size = validated(models, settings, endpoint, fields)
     record.model = entry.name
     await build_grammar_first(settings, payload, size, record)

@@ -44,6 +44,7 @@ from serve_app.front_door.readiness import Readiness
 from serve_app.front_door.record import ObserveRequests, RequestRecord
 from serve_app.front_door.request_body import JSONBody
 from serve_app.front_door.settings import IngressSettings
+from serve_app.front_door.stored_responses import routes as stored_routes
 
 logger = logging.getLogger("ray.serve")
 
@@ -85,7 +86,11 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     settings: IngressSettings = state.settings
     raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
     hold = getattr(request.state, SLOT_HOLD_SCOPE_KEY, None)  # (GenerationCapacity's)
-    admitted = await admit(JSONBody(raw), endpoint, state.models, settings, record, hold)
+    stored = settings.stored_responses if endpoint.method == "responses" else None
+    expand = stored.expand(stored_routes.owner_of(request)) if stored is not None else None
+    admitted = await admit(JSONBody(raw), endpoint, state.models, settings, record, hold, expand)
+    if stored is not None and getattr(admitted.payload, "store", False):
+        return await stored_routes.create(stored, admitted, deadline, record, settings.unavailable_retry_s)
     return await relay(
         admitted.entry.model,
         endpoint.method,
@@ -164,6 +169,8 @@ def build_http_app(
         Route("/health", health, methods=["GET"]),
         Route("/health/live", alive, methods=["GET"]),
     ]
+    if settings.stored_responses is not None:
+        routes += stored_routes.stored_response_routes()
     middleware = []
     if settings.cors is not None:  # outermost: a browser's preflight carries no API key
         middleware.append(
@@ -199,6 +206,8 @@ def build_http_app(
         finally:
             readiness.stop()
             settings.body_checker.close()
+            if settings.stored_responses is not None:
+                await settings.stored_responses.close()
 
     app = Starlette(
         routes=routes,

@@ -27,10 +27,6 @@ NOT_SERVED = {
     "reasoning": "reasoning options are for reasoning models; GLM-4-9B-Chat answers without a reasoning phase",
     "prompt": "prompt templates are stored by OpenAI; send the prompt as input",
     "previous_input_messages": "previous_input_messages is vLLM's own; send the conversation as input items",
-    "background": "background responses are not served yet; send the request without background",
-    "previous_response_id": (
-        "responses are not stored on this server yet, so none can be continued; send the conversation as input items"
-    ),
 }
 
 
@@ -39,6 +35,8 @@ def check_served(body: dict[str, Any]) -> None:
     for name, why in NOT_SERVED.items():
         if body.get(name) not in (None, False):
             raise APIError(400, why, param=name)
+    if body.get("background") is True and body.get("store") is False:
+        raise APIError(400, "a background response is stored: background needs store true (the default)", param="store")
     for i, included in enumerate(_listed(body.get("include"))):
         if included not in SERVED_INCLUDE:
             raise APIError(

@@ -23,6 +23,7 @@ from serve_app.front_door.rate_limits import KeyLimits, LimiterHandle
 from serve_app.front_door.record import Observer, RequestObserver
 from serve_app.front_door.request_cost import CostLimits
 from serve_app.front_door.request_log import log_request
+from serve_app.front_door.stored_responses.replica import StoredResponses
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class IngressSettings:
     # The generation requests this model replica holds, queued ones included, shared by both
     # front doors (serve_app.front_door.capacity); None: unbounded.
     generation_slots: GenerationSlots | None = None
+    # The Responses API's stored responses and background answers; None: none are stored.
+    stored_responses: StoredResponses | None = None
     # Bodies over 256 KiB are checked in this process's checker process, whichever door brought them.
     body_checker: BodyChecker = field(default_factory=BodyChecker)
 
@@ -86,4 +89,5 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
         metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),
         log_requests=config.ingress.log_requests,
         log_content=config.ingress.log_content,
+        stored_responses=StoredResponses.from_config(config.ingress.responses_store),
     )

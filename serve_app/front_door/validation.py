@@ -47,6 +47,7 @@ COMPLETION_LOGPROBS = (0, 5)  # /v1/completions: logprobs is a count, at most 5
 # OpenAI parameters vLLM does not know that change nothing in the answer: accepted and dropped,
 # so clients that always send them (store=false, metadata for their own bookkeeping) work.
 IGNORED_OPENAI_PARAMS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+STORED_RESPONSES_PARAMS = frozenset({"store"})  # the Responses API's `store` is served (front_door/stored_responses)
 
 # vLLM parameters this server refuses, with why: each would let a request skip what the server guarantees.
 REFUSED_VLLM_PARAMS = {
@@ -71,7 +72,7 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> GenerationReq
     """Validate ``body`` strictly with vLLM's ``model``; a fresh uuid4 replaces any client request id
     (a Responses API request's is its response's id, ``resp_`` and the uuid)."""
     responses = "input" in model.model_fields  # (the Responses API's request model)
-    for name in IGNORED_OPENAI_PARAMS & body.keys():
+    for name in (IGNORED_OPENAI_PARAMS - STORED_RESPONSES_PARAMS if responses else IGNORED_OPENAI_PARAMS) & body.keys():
         del body[name]
     for name in REFUSED_VLLM_PARAMS.keys() & body.keys():
         raise APIError(400, REFUSED_VLLM_PARAMS[name], param=name)

@@ -29,6 +29,7 @@ from tests.e2e.harness.serve_state import DeploymentName, serve_deploy_blocking,
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.e2e.harness.telemetry import OTLPCollector
 from tests.waiting import wait_until, wait_until_blocking
+from tools.local_redis import LocalRedis
 
 # A backstop over the suite's start: measured 4 to over 7 minutes on the 2-core CI machine (a fresh
 # clone starts its CPU engines with a cold compile cache).
@@ -191,7 +192,18 @@ def alone_on_the_machine(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(scope="session")
-def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str, RunningApp]]:
+def responses_redis(tmp_path_factory) -> Iterator[LocalRedis]:
+    """The Redis of the bed's stored responses (deploy/config.sim.yaml's ``ingress.responses_store``):
+    Debian's redis-server, with a password."""
+    redis = LocalRedis(tmp_path_factory.mktemp("responses-redis")).start()
+    try:
+        yield redis
+    finally:
+        redis.stop()
+
+
+@pytest.fixture(scope="session")
+def serving(tmp_path_factory, otlp_collector, ray_cluster, responses_redis) -> Iterator[dict[str, RunningApp]]:
     """The suite's serve config run as `make serve` runs one: the CPU app, the bed and the bed's
     variants, each by its application name (tests/e2e/harness/apps.py)."""
     port, grpc_port = free_port(), free_port()
@@ -206,7 +218,8 @@ def serving(tmp_path_factory, otlp_collector, ray_cluster) -> Iterator[dict[str,
             # Only requests whose client sends a sampled traceparent are traced: the rest of
             # the suite's load adds no spans.
             "OTEL_TRACES_SAMPLER": "parentbased_always_off",
-        },
+        }
+        | responses_redis.env(),
         workdir,
     )
     config_path = workdir / "config.yaml"

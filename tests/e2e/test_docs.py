@@ -63,22 +63,32 @@ async def test_the_readmes_openai_client_streams_an_answer_without_error(app):
     assert printed == as_read, (printed, streamed)
 
 
-# Printed on the line after the README's Responses snippet's own output: what the response says of itself.
+# Printed on the line after the README's Responses snippet's own output: what its responses say of themselves.
 RESPONSE_EPILOGUE = """
 import json
-_said = {"status": response.status, "tokens": response.usage.output_tokens, "text": response.output_text}
+print()
+_job = client.responses.retrieve(job.id)
+_said = {"status": response.status, "tokens": response.usage.output_tokens, "text": response.output_text,
+         "continued": more.previous_response_id, "id": response.id, "job": _job.output_text, "job_status": _job.status}
 print(json.dumps(_said))
 """
 
 
-async def test_the_readmes_responses_call_prints_its_answers_text(app):
+def as_printed(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # (text mode's newlines)
+
+
+async def test_the_readmes_responses_calls_print_their_answers_text(app):
+    """The answer's text, then a background answer's, read as a stream of its events; the
+    conversation continued from the first."""
     code = block_starting("README.md", "import openai").text.replace(README_URL, app.url)
     done = await asyncio.to_thread(run, [sys.executable, "-c", code + RESPONSE_EPILOGUE])
     assert done.returncode == 0 and done.stderr == "", done.stderr
     printed, _, record = done.stdout.rstrip("\n").rpartition("\n")
     said = json.loads(record)
     assert said["status"] in ("completed", "incomplete") and 0 < said["tokens"] <= 64, said
-    assert printed == said["text"].replace("\r\n", "\n").replace("\r", "\n"), (printed, said)
+    assert said["continued"] == said["id"] and said["job_status"] in ("completed", "incomplete"), said
+    assert printed == as_printed(said["text"]) + "\n" + as_printed(said["job"]), (printed, said)
 
 
 async def test_the_grpc_docs_client_streams_an_answer_and_its_final_response(app):

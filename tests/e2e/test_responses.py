@@ -1,7 +1,8 @@
 """OpenAI's Responses API through the official SDK, through the same front door as chat: on the
-real CPU engine, exact lengths unary and streamed, a function tool's round trip, structured output
-that parses, each answer counted and logged under its endpoint; on the simulated bed, streams whose
-clients leave let go by the engine. (What is not served gets its named 400 in
+real CPU engine, exact lengths unary and streamed, a function tool's round trip, a conversation
+continued from its stored response, structured output that parses, each answer counted and logged
+under its endpoint; on the simulated bed, streams whose clients leave let go by the engine. (Stored
+and background responses across replicas: test_stored_responses.py.) (What is not served gets its named 400 in
 tests/hostile_requests.py's table, run against this app by tests/e2e/test_hostile.py.)"""
 
 from __future__ import annotations
@@ -119,6 +120,47 @@ async def test_a_function_tool_round_trip(app, client, stream):
     )
     assert answer.usage.output_tokens == 8 and answer.usage.input_tokens > first.usage.input_tokens
     assert [item.type for item in answer.output] in (["message"], ["function_call"])
+
+
+async def test_a_conversation_continues_from_its_stored_response(app, client):
+    """The CPU app keeps responses in its replica's memory: a forced call is retrieved as it was made,
+    its output sent back with only ``previous_response_id`` for the conversation (the call found,
+    the id echoed), a third turn continues the second, streamed; one made with ``store: false`` is
+    not kept."""
+    first = await client.responses.create(
+        model=app.model,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=CALL_TOKENS,
+    )
+    [call] = first.output
+    assert (await client.responses.retrieve(first.id)).output[0].arguments == call.arguments
+    second = await client.responses.create(
+        model=app.model,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "clear"})}],
+        tools=[WEATHER],
+        max_output_tokens=8,
+        extra_body=EXACTLY,
+    )
+    assert second.previous_response_id == first.id and second.usage.output_tokens == 8
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn, its call and the call's output
+    stream = await client.responses.create(
+        model=app.model,
+        previous_response_id=second.id,
+        input="Thanks.",
+        tools=[WEATHER],  # (tools, as instructions, are the request's own: not carried over)
+        max_output_tokens=4,
+        stream=True,
+        store=False,
+        extra_body=EXACTLY,
+    )
+    third = [event async for event in stream][-1].response
+    assert third.previous_response_id == second.id
+    assert third.usage.input_tokens > second.usage.input_tokens  # the second turn's answer too
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(third.id)
 
 
 async def test_structured_output_through_text_format_always_parses(app, client):

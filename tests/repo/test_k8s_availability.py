@@ -141,11 +141,12 @@ def test_the_incremental_upgrade_passes_kuberays_validation():
 
 
 REDIS_SETS = ["production", "production-incremental", "fp8"]
+GCS_STORE, RESPONSES_STORE = "glm4-serve-redis", "glm4-serve-responses-store"  # the two Redis sets
 
 
-def redis_pod(name: str) -> tuple[dict, dict]:
-    """The Redis StatefulSet of a set and its pod template."""
-    (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet"]
+def redis_pod(name: str, redis_set: str = GCS_STORE) -> tuple[dict, dict]:
+    """A Redis StatefulSet of a set of manifests and its pod template."""
+    (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet" and d["metadata"]["name"] == redis_set]
     return redis, redis["spec"]["template"]
 
 
@@ -172,12 +173,13 @@ def test_the_head_keeps_its_state_in_redis(name):
         assert env["REDIS_PASSWORD_FILE"] == f"{mount['mountPath']}/{secret['key']}"
 
 
+@pytest.mark.parametrize("redis_set", [GCS_STORE, RESPONSES_STORE])
 @pytest.mark.parametrize("name", REDIS_SETS)
-def test_the_redis_set_has_no_single_pod(name):
+def test_the_redis_set_has_no_single_pod(name, redis_set):
     """Three pods, one a node, one evicted at a time; each Redis's data on a volume of its own.
     (That a primary's loss is survived, by the scripts shipped here, is proven on real processes in
     tests/e2e/test_gcs_store.py.)"""
-    redis, pod = redis_pod(name)
+    redis, pod = redis_pod(name, redis_set)
     assert redis["spec"]["replicas"] == 3
     (spread,) = [c for c in pod["spec"]["topologySpreadConstraints"] if c["topologyKey"] == "kubernetes.io/hostname"]
     assert spread["whenUnsatisfiable"] == "DoNotSchedule" and spread["maxSkew"] == 1
@@ -201,6 +203,31 @@ def test_the_redis_set_has_no_single_pod(name):
     sentinels = env["SENTINELS"].split()
     assert sentinels == [f"{redis['metadata']['name']}-{i}.{headless['metadata']['name']}:26379" for i in range(3)]
     assert env["SEED_HOST"] == f"{redis['metadata']['name']}-0.{headless['metadata']['name']}"
+
+
+@pytest.mark.parametrize("name", REDIS_SETS)
+def test_the_model_replicas_find_the_responses_store_through_its_sentinels(name):
+    """The serve config's store is the responses set's primary, asked of its Sentinels' Service by the
+    name its Sentinels monitor, with the password of the Secret its pods read, mounted as a file on
+    the GPU workers, which run the model replicas; its Redis is bounded in memory."""
+    docs = documents(name)
+    (rayservice,) = rayservices(name)
+    store = app_args(rayservice)["ingress"]["responses_store"]["redis"]
+    gpu = worker_groups(rayservice)["gpu"]["template"]["spec"]
+    (worker,) = gpu["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    host, port = env[store["url_env"]].removeprefix("redis://").split(":")
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == host]
+    _, pod = redis_pod(name, RESPONSES_STORE)
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    (sentinel,) = [c for c in pod["spec"]["containers"] if c["name"] == "sentinel"]
+    sentinel_env = {e["name"]: e.get("value") for e in sentinel["env"]}
+    assert sentinel_env["MASTER_NAME"] == store["sentinel_master"] and sentinel_env["MAXMEMORY"]
+    (auth,) = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+    (mount,) = [m for m in worker["volumeMounts"] if store["password_file"].startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in gpu["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == auth and mount["readOnly"] is True
 
 
 @pytest.mark.parametrize("name", ["base", "single-gpu"])

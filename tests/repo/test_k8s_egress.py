@@ -1,5 +1,6 @@
 """Where the Ray pods may connect: each other, the cluster's DNS, the Kubernetes API from the head,
-Redis from the head (production); nowhere else, the internet included (k8s/base/network-policy.yaml).
+Redis from the head and the responses store from the GPU workers (production); nowhere else, the
+internet included (k8s/base/network-policy.yaml).
 
 Read by Kubernetes' rules for egress policies: a pod that some Egress policy selects may open a
 connection only where a rule of one of those policies admits the peer and the port.
@@ -19,6 +20,9 @@ HEAD, WORKER = RAY | {"ray.io/node-type": "head"}, RAY | {"ray.io/node-type": "w
 CLEANUP = RAY | {"ray.io/node-type": "redis-cleanup"}  # KubeRay's Job that deletes the GCS's state
 DNS = Peer("kube-system", {"k8s-app": "kube-dns"})
 REDIS = Peer(APP_NAMESPACE, {"app.kubernetes.io/name": "glm4-serve-redis"})
+# The Responses API's store (production): the model replicas, on the GPU workers, keep responses there.
+GPU_WORKER, CPU_WORKER = WORKER | {"ray.io/group": "gpu"}, WORKER | {"ray.io/group": "cpu"}
+RESPONSES_STORE = Peer(APP_NAMESPACE, {"app.kubernetes.io/name": "glm4-serve-responses-store"})
 
 
 def allowed(policies: list[dict[str, Any]], source: Peer, peer: Peer, port: int, protocol: str = "TCP") -> bool:
@@ -79,6 +83,9 @@ REACHABILITY = [
     *[(pod, REDIS, port, "TCP", False, True) for pod in (HEAD, CLEANUP) for port in (6379, 26379)],
     *[(WORKER, REDIS, port, "TCP", False, False) for port in (6379, 26379)],
     (HEAD, REDIS, 80, "TCP", False, False),
+    *[(GPU_WORKER, RESPONSES_STORE, port, "TCP", False, True) for port in (6379, 26379)],
+    *[(pod, RESPONSES_STORE, port, "TCP", False, False) for pod in (HEAD, CPU_WORKER) for port in (6379, 26379)],
+    (GPU_WORKER, RESPONSES_STORE, 80, "TCP", False, False),
     *[(pod, Peer("elsewhere", WORKER), 8000, "TCP", False, False) for pod in (HEAD, WORKER)],
     (WORKER, Peer("kube-system", {"k8s-app": "kube-dns"}), 8080, "TCP", False, False),
 ]
@@ -86,7 +93,13 @@ REACHABILITY = [
 
 def case_id(case: tuple) -> str:
     source, peer, port, protocol, *_ = case
-    who = {id(HEAD): "head", id(WORKER): "worker", id(CLEANUP): "cleanup"}[id(source)]
+    who = {
+        id(HEAD): "head",
+        id(WORKER): "worker",
+        id(CLEANUP): "cleanup",
+        id(GPU_WORKER): "gpu",
+        id(CPU_WORKER): "cpu",
+    }[id(source)]
     to = (
         "outside"
         if peer == OUTSIDE

@@ -243,6 +243,8 @@ def test_root_filesystems_are_read_only_and_uids_are_high(name):
 
 
 HEAD = RAY_POD | {"ray.io/node-type": "head"}
+GCS_STORE = "glm4-serve-redis"
+GPU_WORKER = RAY_POD | {"ray.io/node-type": "worker", "ray.io/group": "gpu"}
 REDIS_CLEANUP = RAY_POD | {"ray.io/node-type": "redis-cleanup"}  # KubeRay's Job: a copy of the head pod
 
 # (who, admitted) to Redis's and the Sentinels' ports: the GCS on the head, KubeRay's clean-up Job,
@@ -268,9 +270,40 @@ REDIS_REACHABILITY = [
 def test_only_the_gcs_reaches_redis(name, port, peer, admitted):
     """Redis's own policy admits the head, KubeRay's clean-up Job and the Redis pods; the Ray pods'
     policy does not select Redis."""
-    (redis,) = [d for d in documents(name) if d["kind"] == "StatefulSet"]
+    (redis,) = [
+        d for d in documents(name) if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "glm4-serve-redis"
+    ]
     redis_pod = redis["spec"]["template"]["metadata"]["labels"]
     policy = network_policy(name, "glm4-serve-redis")
     assert selects(policy["spec"]["podSelector"], redis_pod)
     assert not selects(network_policy(name)["spec"]["podSelector"], redis_pod)
+    assert admits(policy, peer, port) is admitted
+
+
+# (who, admitted) to the responses store's Redis and Sentinels: the GPU workers, where the model
+# replicas keep responses, and the store's own pods only.
+RESPONSES_STORE_REACHABILITY = [
+    (Peer(APP_NAMESPACE, GPU_WORKER), True),
+    (Peer(APP_NAMESPACE, RAY_POD | {"ray.io/node-type": "worker", "ray.io/group": "cpu"}), False),
+    (Peer(APP_NAMESPACE, HEAD), False),
+    (Peer("elsewhere", GPU_WORKER), False),
+    (Peer(APP_NAMESPACE, {"app.kubernetes.io/name": "glm4-serve-responses-store"}), True),
+    (Peer(APP_NAMESPACE, {"app.kubernetes.io/name": "glm4-serve-redis"}), False),
+]
+
+
+@pytest.mark.parametrize("port", [6379, 26379])
+@pytest.mark.parametrize(
+    ("peer", "admitted"),
+    RESPONSES_STORE_REACHABILITY,
+    ids=[case_id((p, 0, a)) for p, a in RESPONSES_STORE_REACHABILITY],
+)
+def test_only_the_model_replicas_reach_the_responses_store(port, peer, admitted):
+    (store,) = [
+        d
+        for d in documents("production")
+        if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "glm4-serve-responses-store"
+    ]
+    policy = network_policy("production", "glm4-serve-responses-store")
+    assert selects(policy["spec"]["podSelector"], store["spec"]["template"]["metadata"]["labels"])
     assert admits(policy, peer, port) is admitted

@@ -147,6 +147,10 @@ AUTOSCALED = {
 # machine answers then took past the bed's 60 s request timeout (504). glm-rollout: 16 clients
 # stream through a rollout that lasts Serve's production drain (30 s) and more.
 SLOWER_STEPS = {"step_launch_ms": 20.0}
+# glm-stored's store: a producer's lease of 2 s (shipped: 10 s), so that a reader ends the answer of
+# a killed replica within seconds; responses kept 10 s after their last change (shipped: a day), so
+# that the expiry test waits seconds.
+STORED = {"lease_s": 2.0, "ttl_s": 10.0}
 
 
 def variant(name: str, route: str) -> dict[str, Any]:
@@ -186,7 +190,9 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       test_simulated_engine; a dead engine's replica in test_direct_streaming);
     - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
       (test_autoscale), with AUTOSCALED's shorter delays, look-back and smaller target so that it scales out and
-      back within the test, and SLOWER_STEPS.
+      back within the test, and SLOWER_STEPS;
+    - ``glm-stored`` (``/stored``): two model replicas over the suite's Redis, with the two keys and
+      STORED's shorter lease and expiry (test_stored_responses).
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
@@ -223,13 +229,27 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     del model["deployment"]["num_replicas"]
     model["deployment"]["autoscaling_config"] = bed_autoscaling() | AUTOSCALED
     model["simulated_engine"] |= SLOWER_STEPS
-    return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
+    stored = with_keys(variant("glm-stored", "/stored"), workdir / "stored-keys", (FLOOD_KEY, LIGHT_KEY))
+    (model,) = stored["args"]["models"]
+    model["deployment"]["num_replicas"] = 2
+    stored["args"]["ingress"]["responses_store"] |= STORED
+    return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled, stored]
 
 
 # The applications a few modules use, each removed once no test still to run names it in its
 # module's ``applications`` marker (conftest.py); the CPU app and the bed stay to the end.
 RETIRABLE = frozenset(
-    {"glm-keyed", "glm-limited", "glm-rate-limited", "glm-rollout", "direct", "prefix", "glm-autoscaled", "glm-w4a16"}
+    {
+        "glm-keyed",
+        "glm-limited",
+        "glm-rate-limited",
+        "glm-rollout",
+        "direct",
+        "prefix",
+        "glm-autoscaled",
+        "glm-stored",
+        "glm-w4a16",
+    }
 )
 
 # Applications the suite deploys once the others answer, so that the first tests wait for fewer

@@ -18,8 +18,6 @@ from pathlib import Path
 from tests.e2e.harness.ray_cluster import free_port
 from tests.repo.k8s_manifests import documents
 
-MONITORED = "gcs"  # the name the Sentinels know the primary by (the scripts' `sentinel monitor gcs`)
-
 
 def shipped_set() -> tuple[dict[str, str], dict[str, str], int]:
     """The ConfigMap's scripts, the Redis container's plain environment values, and the set's size."""
@@ -60,6 +58,11 @@ class RedisSet:
         self.pods = [RedisPod(i) for i in range(replicas)]
 
     @property
+    def monitored(self) -> str:
+        """The name the Sentinels know the primary by (the StatefulSet's MASTER_NAME)."""
+        return self.shipped_env["MASTER_NAME"]
+
+    @property
     def sentinels(self) -> list[str]:
         return [f"127.0.0.1:{pod.sentinel_port}" for pod in self.pods]
 
@@ -70,6 +73,7 @@ class RedisSet:
             (pod_dir / sub).mkdir(parents=True, exist_ok=True)
         seed = self.pods[0]
         here = {
+            "MASTER_NAME": self.monitored,  # as shipped
             "REDIS_HOST": "127.0.0.1",
             "REDIS_PORT": str(pod.redis_port),
             "SENTINEL_PORT": str(pod.sentinel_port),
@@ -120,7 +124,7 @@ class RedisSet:
 
     def primary_named_by(self, pod: RedisPod) -> int | None:
         """The primary's port as ``pod``'s Sentinel names it."""
-        answer = self.ask(pod.sentinel_port, "SENTINEL", "get-master-addr-by-name", MONITORED)
+        answer = self.ask(pod.sentinel_port, "SENTINEL", "get-master-addr-by-name", self.monitored)
         return int(answer[1]) if len(answer) == 2 and answer[1].isdigit() else None
 
     def role(self, pod: RedisPod) -> dict[str, str]:

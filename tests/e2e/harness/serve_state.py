@@ -231,6 +231,51 @@ async def single_replica(deployment: DeploymentName, within_s: float = SETTLE_S)
     return replica
 
 
+# Where Serve's HAProxy manager writes its configuration, a directory per cluster (Ray 2.60:
+# ray.serve._private.constants.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC's directory).
+HAPROXY_DIR = Path("/tmp/haproxy-serve")
+
+
+def haproxy_server_addresses(app_name: str) -> dict[str, str]:
+    """The servers of an app's HTTP backend in the newest HAProxy configuration that has one: each
+    server's name (as HAProxy's stats page names it) and the host:port of the replica's own HTTP
+    server, where HAProxy forwards its requests."""
+    backend = f"backend {HAProxyManager.get_safe_name(f'http-{app_name}')}\n"
+    configs = [path for path in HAPROXY_DIR.glob("*/haproxy.cfg") if backend in path.read_text()]
+    if not configs:
+        return {}
+    text = max(configs, key=lambda path: path.stat().st_mtime).read_text()
+    section = text[text.index(backend) + len(backend) :]
+    addresses = {}
+    for line in section.splitlines():
+        if line and not line.startswith(" "):
+            break
+        words = line.split()
+        if words and words[0] == "server":
+            addresses[words[1]] = words[2]
+    return addresses
+
+
+async def haproxy_servers_up(stats_url: str, deployment: DeploymentName) -> list[dict[str, str]]:
+    """The deployment's replicas HAProxy holds up in its app's HTTP backend: their rows of HAProxy's
+    stats page."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(stats_url)
+    if response.status_code != 200:
+        return []
+    rows = csv.DictReader(io.StringIO(response.text.removeprefix("# ")))
+    # Serve names each server after its replica's actor and each HTTP backend after its app.
+    safe_name = HAProxyManager.get_safe_name
+    server_prefix = safe_name(f"SERVE_REPLICA::{deployment.app_name}#{deployment.deployment_name}#")
+    return [
+        row
+        for row in rows
+        if row["pxname"] == safe_name(f"http-{deployment.app_name}")
+        and row["svname"].startswith(server_prefix)
+        and row["status"].startswith("UP")
+    ]
+
+
 async def haproxy_routes_to(stats_url: str, deployment: DeploymentName, count: int) -> bool:
     """HAProxy holds at least ``count`` of the deployment's replicas up in its app's HTTP backend.
 
@@ -238,22 +283,7 @@ async def haproxy_routes_to(stats_url: str, deployment: DeploymentName, count: i
     is one HAProxy cannot pin a request to: the request goes to the fallback proxy, whose own
     router picks again. Read from HAProxy's stats page.
     """
-    async with httpx.AsyncClient(timeout=10) as client:
-        response = await client.get(stats_url)
-    if response.status_code != 200:
-        return False
-    rows = csv.DictReader(io.StringIO(response.text.removeprefix("# ")))
-    # Serve names each server after its replica's actor and each HTTP backend after its app.
-    safe_name = HAProxyManager.get_safe_name
-    server_prefix = safe_name(f"SERVE_REPLICA::{deployment.app_name}#{deployment.deployment_name}#")
-    up = [
-        row
-        for row in rows
-        if row["pxname"] == safe_name(f"http-{deployment.app_name}")
-        and row["svname"].startswith(server_prefix)
-        and row["status"].startswith("UP")
-    ]
-    return len(up) >= count
+    return len(await haproxy_servers_up(stats_url, deployment)) >= count
 
 
 async def live_replicas(deployment: DeploymentName) -> dict[str, str]:

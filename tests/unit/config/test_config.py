@@ -439,3 +439,14 @@ def test_fair_share_is_on_by_default_and_refuses_an_engine_scheduling_first_come
     model = parse_app_config(minimal()).models[0]
     assert model.with_priority_scheduling().engine_args == model.engine_args | {"scheduling_policy": "priority"}
     assert model.runs_at_once() == 8
+
+
+@pytest.mark.parametrize(
+    "deployment", [{"num_replicas": 2}, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}]
+)
+def test_responses_kept_in_replica_memory_need_a_deployment_of_one_replica(deployment):
+    """A second replica would answer a GET, or continue a conversation, with nothing: Redis is required."""
+    with pytest.raises(ConfigError, match=r"ingress\.responses_store\.redis"):
+        parse_app_config(minimal(deployment=deployment))
+    parse_app_config(minimal(deployment=deployment) | {"ingress": {"responses_store": {"redis": {}}}})
+    parse_app_config(minimal(deployment={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}))

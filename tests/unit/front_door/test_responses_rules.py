@@ -23,8 +23,8 @@ SERVED: dict[str, Any] = {
     "tools": [TOOL],
     "tool_choice": {"type": "function", "name": "get_weather"},
     "include": ["message.output_text.logprobs"],
-    "background": False,
-    "previous_response_id": None,
+    "background": True,
+    "previous_response_id": "resp_1",
 }
 
 
@@ -56,8 +56,7 @@ def test_text_messages_function_calls_and_their_outputs_are_served():
         ({"include": ["file_search_call.results"]}, "include.0"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-        ({"background": True}, "background"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"store": False}, "store"),  # (SERVED is a background request: stored)
         ({"previous_input_messages": [{"role": "user", "content": "x"}]}, "previous_input_messages"),
     ],
 )

@@ -1,0 +1,51 @@
+"""StoredResponses: what one model replica holds of the Responses API's store.
+
+The store the config names (:mod:`.memory_store` or :mod:`.redis_store`, its address read from
+the replica's environment) and the background answers this replica generates
+(:mod:`.background`). Built once per replica with its front door's settings.
+
+Runs in each model replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from serve_app.config import ResponsesStoreConfig
+from serve_app.front_door.stored_responses.background import BackgroundAnswers
+from serve_app.front_door.stored_responses.history import with_history
+from serve_app.front_door.stored_responses.memory_store import MemoryStore
+from serve_app.front_door.stored_responses.store import ResponseStore
+
+
+@dataclass
+class StoredResponses:
+    """A replica's response store and the background answers it generates."""
+
+    store: ResponseStore
+    background: BackgroundAnswers
+    lease_s: float
+
+    @classmethod
+    def from_config(cls, config: ResponsesStoreConfig) -> StoredResponses:
+        """The store the config names, its address read from this replica's environment."""
+        store: ResponseStore
+        if config.redis is None:
+            store = MemoryStore(config.ttl_s, config.max_per_key)
+        else:
+            from serve_app.front_door.stored_responses.redis_store import RedisStore, connect
+
+            where = "in Redis, through its Sentinels" if config.redis.sentinel_master else "in Redis"
+            store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where)
+        return cls(store, BackgroundAnswers(store, config.max_background_per_replica, config.lease_s), config.lease_s)
+
+    def expand(self, owner: str) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+        """Admission's ``expand`` for a request of ``owner``: its previous response's conversation first."""
+        return partial(with_history, store=self.store, owner=owner)
+
+    async def close(self) -> None:
+        await self.background.close()
+        await self.store.close()

@@ -1,0 +1,194 @@
+"""Stored responses and background answers across replicas, on ``glm-stored``: two model replicas
+over the suite's Redis (Debian's redis-server, as deploy/config.sim.yaml names it), two API keys.
+
+Each test calls the replicas' own HTTP servers (HAProxy's servers for the app), so that it knows
+which replica answers: a background answer started on one is read, resumed and cancelled through
+the other. With the official ``openai`` SDK, but where a stream ends with an error event (which
+the SDK raises on), read as SSE text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from ray.util.state import list_actors
+
+from serve_app.simulated_engine.controls import Control
+from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, STORED
+from tests.e2e.harness.serve_state import haproxy_server_addresses, haproxy_servers_up
+from tests.e2e.harness.simulation import Bed, ready_bed
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.applications("glm-stored")
+
+KEY_A, KEY_B = FLOOD_KEY, LIGHT_KEY
+EXACTLY = {"ignore_eos": True}  # (the simulated engine's answers run to max_output_tokens either way)
+TOKENS = 120
+SLOW = 20.0  # times the timing model's step: a long answer is still being generated when the test acts
+
+
+@pytest.fixture
+async def stored(variants) -> Bed:
+    return await ready_bed(variants["glm-stored"], replicas=2)
+
+
+async def replica_urls(bed: Bed, stats_url: str) -> list[str]:
+    """Each replica's own base URL (its HTTP server, where HAProxy forwards), both replicas up."""
+
+    async def both() -> list[str] | None:
+        up = [server["svname"] for server in await haproxy_servers_up(stats_url, bed.model)]
+        addresses = await asyncio.to_thread(haproxy_server_addresses, bed.app.name)
+        return [addresses[name] for name in up if name in addresses] if len(up) == 2 else None
+
+    addresses = await wait_until(both, 60, "HAProxy holding both replicas of glm-stored")
+    assert len(addresses) == 2, addresses
+    return [f"http://{address}{bed.app.route_prefix}/v1" for address in addresses]
+
+
+def sdk(url: str, key: str = KEY_A) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+async def sse_events(url: str, path: str, key: str = KEY_A) -> list[tuple[str, dict]]:
+    """A stream's events as (type, data), read whole."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        response = await client.get(path, headers=headers)
+    assert response.status_code == 200, response.text
+    events = []
+    for block in response.text.split("\n\n"):
+        if block:
+            kind, data = block.split("\n", 1)
+            events.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
+
+
+async def background(client: openai.AsyncOpenAI, model: str, tokens: int = TOKENS, **extra) -> str:
+    response = await client.responses.create(
+        model=model, input="Tell a long story.", background=True, max_output_tokens=tokens, extra_body=EXACTLY, **extra
+    )
+    assert (response.status, response.background) == ("queued", True)
+    return response.id
+
+
+async def test_a_dropped_background_stream_resumes_through_the_other_replica(stored, ray_cluster):
+    """A background answer streamed from one replica, its connection dropped after 8 events, then
+    resumed after the last event seen through the other replica: nothing lost, nothing repeated;
+    the text is the stored response's, every sequence number once."""
+    one, other = (sdk(url) for url in await replica_urls(stored, ray_cluster.haproxy_stats_url))
+    await stored.engines.control_all(Control.PACE, 5.0)  # (the resumed reader follows the live tail)
+    stream = await one.responses.create(
+        model=stored.app.model,
+        input="Tell a long story.",
+        background=True,
+        stream=True,
+        max_output_tokens=TOKENS,
+        extra_body=EXACTLY,
+    )
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if len(seen) == 8:
+            break
+    await stream.close()  # the connection drops
+    response_id = seen[0].response.id
+    resumed = await other.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number)
+    seen += [event async for event in resumed]
+    final = await other.responses.retrieve(response_id)
+    assert [event.sequence_number for event in seen] == list(range(len(seen)))
+    assert seen[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == final.output_text
+    assert final.usage.output_tokens == TOKENS and final.background
+
+
+async def test_two_readers_through_two_replicas_read_the_same_answer(stored, ray_cluster):
+    urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
+    response_id = await background(sdk(urls[0]), stored.app.model)
+    path = f"/responses/{response_id}?stream=true"
+    first, second = await asyncio.gather(*(sse_events(url, path) for url in urls))
+    assert first == second
+    assert [data["sequence_number"] for _, data in first] == list(range(len(first)))
+    assert first[-1][0] == "response.incomplete"
+
+
+async def test_a_cancel_through_the_other_replica_stops_the_generation(stored, ray_cluster):
+    """Cancelled through the replica that does not generate it: the answer is ``cancelled`` once the
+    call returns, the engine holds nothing more, and its log ends with the cancel's error event."""
+    one, other = (sdk(url) for url in await replica_urls(stored, ray_cluster.haproxy_stats_url))
+    await stored.engines.control_all(Control.PACE, SLOW)
+    response_id = await background(one, stored.app.model, tokens=900)
+    await stored.engines.wait_until_holding(1, within_s=30)
+    asked = time.monotonic()
+    cancelled = await other.responses.cancel(response_id)
+    answered = time.monotonic() - asked
+    assert cancelled.status == "cancelled"
+    await stored.engines.wait_until_holding(0, within_s=30)
+    print(f"the cancel returned in {answered * 1000:.0f} ms; the engine let the answer go by then or after")
+    events = await sse_events(str(other.base_url), f"/responses/{response_id}?stream=true")
+    assert events[-1][0] == "error" and events[-1][1]["code"] == "response_cancelled"
+    assert (await other.responses.cancel(response_id)).status == "cancelled"  # again: as it is
+
+
+async def test_another_keys_response_is_not_found(stored, ray_cluster):
+    urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
+    mine = await sdk(urls[0]).responses.create(model=stored.app.model, input="Hi!", max_output_tokens=4)
+    assert (await sdk(urls[1]).responses.retrieve(mine.id)).output_text == mine.output_text
+    theirs = sdk(urls[1], KEY_B)
+    for call in (theirs.responses.retrieve, theirs.responses.cancel, theirs.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            await call(mine.id)
+    with pytest.raises(openai.NotFoundError) as continued:
+        await theirs.responses.create(model=stored.app.model, input="And?", previous_response_id=mine.id)
+    assert continued.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        await sdk(urls[1]).responses.retrieve("resp_0123456789abcdef")
+    async with httpx.AsyncClient(base_url=urls[1], headers={"Authorization": f"Bearer {KEY_A}"}) as client:
+        bad = await client.get(f"/responses/{mine.id}", params={"stream": "true", "starting_after": "last"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"  # (not a background response)
+    await sdk(urls[1]).responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        await sdk(urls[0]).responses.retrieve(mine.id)
+
+
+async def test_a_stored_response_expires(stored, ray_cluster):
+    """``glm-stored`` keeps responses ``ttl_s`` (STORED) after their last change: then a GET is a 404."""
+    client = sdk((await replica_urls(stored, ray_cluster.haproxy_stats_url))[0])
+    made = await client.responses.create(model=stored.app.model, input="Hi!", max_output_tokens=4)
+    started = time.monotonic()
+
+    async def gone() -> bool:
+        try:
+            await client.responses.retrieve(made.id)
+        except openai.NotFoundError:
+            return True
+        return False
+
+    await wait_until(gone, STORED["ttl_s"] + 60, f"{made.id} expired", every_s=0.5)
+    print(f"expired {time.monotonic() - started:.1f} s after it was stored (ttl_s {STORED['ttl_s']:g})")
+
+
+async def test_a_replica_killed_under_a_background_answer_gives_its_readers_the_failure_event(stored, ray_cluster):
+    """The replica generating a background answer is killed (SIGKILL); a reader following it through
+    the other replica gets, once the producer's lease lapsed (``lease_s``, STORED), the error event
+    ``replica_lost``, and the stored response is ``failed``. (Last in the module: the replacement
+    Serve starts is not waited for.)"""
+    urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
+    await stored.engines.control_all(Control.PACE, SLOW)
+    response_id = await background(sdk(urls[0]), stored.app.model, tokens=900)
+    states = await stored.engines.wait_until_holding(1, within_s=30)
+    (producer,) = [replica for replica, state in states.items() if state.holds]
+    reading = asyncio.create_task(sse_events(urls[1], f"/responses/{response_id}?stream=true"))
+    (actor,) = await asyncio.to_thread(list_actors, filters=[("actor_id", "=", producer)])
+    os.kill(actor.pid, signal.SIGKILL)
+    events = await asyncio.wait_for(reading, 120)
+    kind, last = events[-1]
+    assert kind == "error" and last["code"] == "replica_lost"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert (await sdk(urls[1]).responses.retrieve(response_id)).status == "failed"

@@ -1,0 +1,272 @@
+"""The response stores' shared contract, on the in-process store and on a real Redis (Debian's
+redis-server, as production's store is one); a background answer's readers; previous_response_id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis import asyncio as aioredis
+
+from serve_app.config import RedisStoreConfig
+from serve_app.errors import APIError
+from serve_app.front_door.stored_responses.background import CANCELLED, BackgroundAnswers, finish, follow
+from serve_app.front_door.stored_responses.history import output_as_input, with_history
+from serve_app.front_door.stored_responses.memory_store import MemoryStore
+from serve_app.front_door.stored_responses.redis_store import RedisStore, StoreUnavailable, connect
+from serve_app.front_door.stored_responses.store import ResponseStore, event_type, split_events
+from tests.waiting import wait_until
+from tools.local_redis import LocalRedis
+
+OWNER, OTHER = "key-a", "key-b"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory) -> Iterator[LocalRedis]:
+    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request, redis_server) -> AsyncIterator:
+    """Builds a store of the parameter's kind with the given expiry and bound per owner."""
+    made: list[ResponseStore] = []
+
+    def make(ttl_s: float = 60.0, max_per_key: int = 100) -> ResponseStore:
+        if request.param == "memory":
+            store: ResponseStore = MemoryStore(ttl_s, max_per_key)
+        else:
+            client = aioredis.Redis(port=redis_server.port, password=redis_server.password)
+            store = RedisStore(client, ttl_s, max_per_key)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+def response(response_id: str, status: str = "queued") -> dict:
+    return {"id": response_id, "object": "response", "status": status, "output": []}
+
+
+def event(kind: str, number: int) -> str:
+    return f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{number}}}\n\n'
+
+
+def unique(name: str) -> str:
+    return f"resp_{name}_{id(object())}"
+
+
+async def test_a_response_is_its_owners_alone(make_store):
+    store = make_store()
+    rid = unique("owned")
+    await store.save(rid, OWNER, response(rid), [{"role": "user", "content": "hi"}], background=False)
+    assert (await store.load(rid, OWNER)).response == response(rid)
+    assert await store.load(rid, OTHER) is None
+    assert await store.input_items(rid) == [{"role": "user", "content": "hi"}]
+    await store.update(rid, response(rid, "completed"))
+    assert (await store.load(rid, OWNER)).finished
+    await store.delete(rid)
+    assert await store.load(rid, OWNER) is None and not await store.exists(rid)
+
+
+async def test_an_owner_keeps_at_most_its_bound_and_loses_its_oldest(make_store):
+    store = make_store(max_per_key=2)
+    owner = unique("owner")
+    ids = [unique(f"n{i}") for i in range(3)]
+    for rid in ids:
+        await store.save(rid, owner, response(rid), [], background=False)
+    assert [await store.load(rid, owner) is not None for rid in ids] == [False, True, True]
+
+
+async def test_a_response_expires_after_its_time(make_store):
+    store = make_store(ttl_s=0.3)
+    rid = unique("expiring")
+    await store.save(rid, OWNER, response(rid), [], background=True)
+    await store.append(rid, 0, event("response.created", 0))
+
+    async def gone() -> bool:
+        return await store.load(rid, OWNER) is None and not await store.read(rid, -1, 0.01)
+
+    await wait_until(gone, 10, "the response and its log expired", every_s=0.05)
+
+
+async def test_a_sequence_number_is_taken_once_and_read_after_any_number(make_store):
+    store = make_store()
+    rid = unique("log")
+    await store.save(rid, OWNER, response(rid), [], background=True)
+    assert await store.append(rid, 0, event("response.created", 0))
+    assert await store.append(rid, 1, event("response.in_progress", 1))
+    assert not await store.append(rid, 1, event("error", 1))  # a second writer of 1
+    assert not await store.append(rid, 0, event("error", 0))
+    assert [n for n, _ in await store.read(rid, -1, 0.01)] == [0, 1]
+    assert await store.read(rid, 0, 0.01) == [(1, event("response.in_progress", 1))]
+    assert await store.read(rid, 1, 0.01) == []
+
+
+async def test_a_reader_waiting_at_the_tail_gets_the_next_event(make_store):
+    store = make_store()
+    rid = unique("tail")
+    await store.save(rid, OWNER, response(rid), [], background=True)
+    reading = asyncio.create_task(store.read(rid, -1, 30))
+    await asyncio.sleep(0.05)  # (the reader is waiting; the append below must wake it, not its timeout)
+    await store.append(rid, 0, event("response.created", 0))
+    assert await asyncio.wait_for(reading, 30) == [(0, event("response.created", 0))]
+
+
+async def test_a_lease_lapses_unless_renewed(make_store):
+    store = make_store()
+    rid = unique("lease")
+    await store.save(rid, OWNER, response(rid), [], background=True)
+    assert not await store.leased(rid)
+    await store.renew_lease([rid], 0.3)
+    assert await store.leased(rid)
+    await wait_until(lambda: _not(store.leased(rid)), 10, "the lease lapsed", every_s=0.05)
+
+
+async def _not(result) -> bool:
+    return not await result
+
+
+async def test_a_cancel_reaches_every_listener(make_store):
+    store = make_store()
+    heard: list[str] = []
+
+    async def listen() -> None:
+        async for response_id in store.cancel_requests():
+            heard.append(response_id)
+
+    listener = asyncio.create_task(listen())
+    rid = unique("cancel")
+
+    async def asked() -> bool:  # (a Redis subscription starts after its SUBSCRIBE is answered)
+        await store.request_cancel(rid)
+        return rid in heard
+
+    await wait_until(asked, 10, "the cancel heard", every_s=0.1)
+    listener.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await listener
+
+
+async def test_readers_of_an_answer_whose_replica_died_all_get_one_failure_event(make_store):
+    """No lease (its producer's replica is gone): each reader reads what was logged, then the
+    failure one of them wrote, and the response is failed."""
+    store = make_store()
+    rid = unique("orphan")
+    queued = response(rid)
+    await store.save(rid, OWNER, queued, [], background=True)
+    for n, kind in enumerate(["response.created", "response.output_text.delta"]):
+        await store.append(rid, n, event(kind, n))
+
+    async def read_all() -> list[str]:
+        return [e async for e in follow(store, queued, -1, 0.05)]
+
+    first, second = await asyncio.gather(read_all(), read_all())
+    assert first == second and [event_type(e) for e in first] == [
+        "response.created",
+        "response.output_text.delta",
+        "error",
+    ]
+    assert '"code": "replica_lost"' in first[-1] and '"sequence_number": 2' in first[-1]
+    assert (await store.load(rid, OWNER)).status == "failed"
+
+
+async def test_a_reader_resumes_after_the_number_it_saw_last(make_store):
+    store = make_store()
+    rid = unique("resume")
+    queued = response(rid)
+    await store.save(rid, OWNER, queued, [], background=True)
+    events = [event("response.created", 0), event("response.output_text.delta", 1), event("response.completed", 2)]
+    for n, text in enumerate(events):
+        await store.append(rid, n, text)
+    assert [e async for e in follow(store, queued, 0, 0.05)] == events[1:]
+
+
+async def test_a_cancelled_answer_ends_with_its_error_event_and_status(make_store):
+    store = make_store()
+    rid = unique("cancelled")
+    await store.save(rid, OWNER, response(rid, "in_progress"), [], background=True)
+    assert await finish(store, response(rid, "in_progress"), 0, None, CANCELLED)
+    assert not await finish(store, response(rid, "in_progress"), 0, None, CANCELLED)  # once
+    assert (await store.load(rid, OWNER)).status == "cancelled"
+    ((_, last),) = await store.read(rid, -1, 0.01)
+    assert event_type(last) == "error" and "response_cancelled" in last
+
+
+async def test_a_previous_response_becomes_the_conversation_before_the_input(make_store):
+    store = make_store()
+    rid = unique("previous")
+    answered = response(rid, "completed") | {
+        "output": [
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}", "id": "fc_1"},
+        ]
+    }
+    await store.save(rid, OWNER, answered, [{"type": "message", "role": "user", "content": "Hi"}], background=False)
+    fields = await with_history(
+        {"input": [{"type": "function_call_output", "call_id": "c1", "output": "sunny"}], "previous_response_id": rid},
+        store,
+        OWNER,
+    )
+    assert fields["input"] == [
+        {"type": "message", "role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": "Hello"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    with pytest.raises(APIError) as other:
+        await with_history({"input": "x", "previous_response_id": rid}, store, OTHER)
+    assert (other.value.status, other.value.param) == (404, "previous_response_id")
+
+
+async def test_a_previous_response_still_answered_cannot_be_continued(make_store):
+    store = make_store()
+    rid = unique("running")
+    await store.save(rid, OWNER, response(rid, "in_progress"), [], background=True)
+    with pytest.raises(APIError) as refused:
+        await with_history({"input": "x", "previous_response_id": rid}, store, OWNER)
+    assert (refused.value.status, refused.value.param) == (400, "previous_response_id")
+
+
+def test_output_items_become_input_items():
+    assert output_as_input({"output": [{"type": "reasoning", "summary": []}]}) == []
+
+
+def test_coalesced_events_are_split_one_by_one():
+    chunk = event("response.output_text.delta", 3) + event("response.output_text.delta", 4)
+    assert split_events(chunk) == [event("response.output_text.delta", 3), event("response.output_text.delta", 4)]
+
+
+def test_a_configured_redis_whose_address_is_not_in_the_environment_stops_the_replica(monkeypatch):
+    monkeypatch.delenv("RESPONSES_STORE_URL", raising=False)
+    with pytest.raises(StoreUnavailable, match="RESPONSES_STORE_URL"):
+        connect(RedisStoreConfig())
+
+
+async def test_a_stopping_replica_waits_for_its_background_answers():
+    """What the replica's shutdown awaits before it stops its engine (ModelServer.__del__)."""
+    answers = BackgroundAnswers(MemoryStore(60, 10), limit=2, lease_s=60)
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def answer(name: str) -> None:
+        await release.wait()
+        ended.append(name)
+
+    await answers.run("resp_a", answer("a"))
+    await answers.run("resp_b", answer("b"))
+    with pytest.raises(APIError) as refused:
+        await answers.run("resp_c", answer("c"))
+    assert (refused.value.status, refused.value.code) == (429, "background_limit")
+    draining = asyncio.create_task(answers.drain())
+    await asyncio.sleep(0.05)  # (the drain is waiting: it must still be, with the answers under way)
+    assert not draining.done()
+    release.set()
+    await asyncio.wait_for(draining, 10)
+    assert sorted(ended) == ["a", "b"]
+    await answers.close()
