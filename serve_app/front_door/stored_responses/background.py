@@ -26,6 +26,7 @@ from serve_app.front_door.engine_call import Model, TokenCounter, call_replica, 
 from serve_app.front_door.record import RequestRecord
 from serve_app.front_door.stored_responses.store import (
     ResponseStore,
+    StoredResponse,
     event_response,
     event_type,
     is_terminal,
@@ -54,10 +55,12 @@ class BackgroundAnswers:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._helpers: list[asyncio.Task[None]] = []
 
-    async def run(self, response_id: str, answer: Coroutine[Any, Any, None]) -> None:
-        """Start generating ``answer`` (:func:`produce`), leased from now."""
+    async def run(self, response_id: str, answer: Coroutine[Any, Any, None], keep: Coroutine[Any, Any, None]) -> None:
+        """Start generating ``answer`` (:func:`produce`) once ``keep`` kept its response, leased
+        from before it is kept (a reader never finds it kept and unleased while it starts)."""
         if len(self._tasks) >= self.limit:
             answer.close()
+            keep.close()
             raise APIError(
                 429,
                 f"this replica generates {self.limit} background responses already; retry shortly",
@@ -67,6 +70,11 @@ class BackgroundAnswers:
         if not self._helpers:
             self._helpers = [asyncio.create_task(self._renew()), asyncio.create_task(self._listen())]
         await self.store.renew_lease([response_id], self.lease_s)
+        try:
+            await keep
+        except BaseException:
+            answer.close()
+            raise
         task = asyncio.create_task(answer, name=f"background {response_id}")
         self._tasks[response_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
@@ -193,6 +201,16 @@ async def finish(
     ended = "cancelled" if (status, message, code) == CANCELLED else "failed"
     await store.update(str(response["id"]), response | {"status": ended, "error": {"code": code, "message": message}})
     return True
+
+
+async def end_if_orphaned(store: ResponseStore, found: StoredResponse) -> StoredResponse:
+    """A background answer whose producer's lease lapsed (its replica died) ended here, ``failed``
+    with :data:`REPLICA_LOST`, as a reader would end it; the response as it is after."""
+    response_id = str(found.response["id"])
+    if found.finished or not found.background or await store.leased(response_id):
+        return found
+    await finish(store, found.response, len(await store.read(response_id, -1, 0)), None, REPLICA_LOST)
+    return await store.load(response_id, found.owner) or found
 
 
 async def follow(store: ResponseStore, response: dict[str, Any], after: int, wait_s: float) -> AsyncIterator[str]:

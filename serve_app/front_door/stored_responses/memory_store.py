@@ -29,7 +29,6 @@ class _Kept:
     expires_at: float
     events: list[str] = field(default_factory=list)
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each new event
-    lease_until: float = 0.0
 
 
 class MemoryStore:
@@ -43,6 +42,7 @@ class MemoryStore:
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # oldest change first
         self._owned: dict[str, OrderedDict[str, None]] = {}
         self._cancels: asyncio.Queue[str] = asyncio.Queue()
+        self._leases: dict[str, float] = {}  # response id -> until when its producer holds it
 
     def _get(self, response_id: str) -> _Kept | None:
         self._expire()
@@ -119,14 +119,12 @@ class MemoryStore:
         return [(n, kept.events[n]) for n in range(after + 1, len(kept.events))]
 
     async def renew_lease(self, response_ids: list[str], lease_s: float) -> None:
-        until = time.monotonic() + lease_s
-        for response_id in response_ids:
-            if (kept := self._kept.get(response_id)) is not None:
-                kept.lease_until = until
+        now = time.monotonic()
+        self._leases = {rid: until for rid, until in self._leases.items() if until > now}  # (the lapsed go)
+        self._leases |= dict.fromkeys(response_ids, now + lease_s)
 
     async def leased(self, response_id: str) -> bool:
-        kept = self._kept.get(response_id)
-        return kept is not None and kept.lease_until > time.monotonic()
+        return self._leases.get(response_id, 0.0) > time.monotonic()
 
     async def request_cancel(self, response_id: str) -> None:
         self._cancels.put_nowait(response_id)

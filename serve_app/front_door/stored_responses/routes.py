@@ -34,7 +34,7 @@ from serve_app.front_door.admission import Admitted
 from serve_app.front_door.deadlines import Deadline
 from serve_app.front_door.engine_call import SSE_HEADERS, call_replica, settle_reply, stream_sse
 from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.stored_responses.background import CANCELLED, finish, follow, produce
+from serve_app.front_door.stored_responses.background import CANCELLED, end_if_orphaned, finish, follow, produce
 from serve_app.front_door.stored_responses.history import request_input_items
 from serve_app.front_door.stored_responses.replica import StoredResponses
 from serve_app.front_door.stored_responses.store import (
@@ -63,10 +63,10 @@ async def create(
     model = admitted.entry.model
     if payload.background:
         response = queued_response(payload, admitted.entry.name, admitted.entry.max_output_tokens)
-        await stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=True)
+        queued = stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=True)
         streamed = payload.model_copy(update={"stream": True})
         answer = produce(stored.store, response, model, streamed, deadline, admitted.on_tokens, retry_s)
-        await stored.background.run(payload.request_id, answer)
+        await stored.background.run(payload.request_id, answer, queued)
         if not payload.stream:
             return JSONResponse(response)
         return StreamingResponse(
@@ -137,7 +137,7 @@ async def retrieve(request: Request) -> Response:
     """``GET /v1/responses/{id}``: the response as now; with ``stream=true``, its events after ``starting_after``."""
     stored, found = await _found(request)
     if request.query_params.get("stream", "false").lower() not in ("true", "1"):
-        return JSONResponse(found.response)
+        return JSONResponse((await end_if_orphaned(stored.store, found)).response)
     if not found.background:
         raise APIError(400, "only a background response's events are kept to be streamed again", param="stream")
     after = _starting_after(request)

@@ -12,7 +12,13 @@ from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
-from serve_app.front_door.stored_responses.background import CANCELLED, BackgroundAnswers, finish, follow
+from serve_app.front_door.stored_responses.background import (
+    CANCELLED,
+    BackgroundAnswers,
+    end_if_orphaned,
+    finish,
+    follow,
+)
 from serve_app.front_door.stored_responses.history import output_as_input, with_history
 from serve_app.front_door.stored_responses.memory_store import MemoryStore
 from serve_app.front_door.stored_responses.redis_store import RedisStore, StoreUnavailable, connect
@@ -176,6 +182,21 @@ async def test_readers_of_an_answer_whose_replica_died_all_get_one_failure_event
     assert (await store.load(rid, OWNER)).status == "failed"
 
 
+async def test_a_get_of_an_answer_whose_replica_died_ends_it_failed(make_store):
+    store = make_store()
+    rid = unique("orphan-get")
+    await store.save(rid, OWNER, response(rid, "in_progress"), [], background=True)
+    await store.renew_lease([rid], 60)
+    leased = await store.load(rid, OWNER)
+    assert await end_if_orphaned(store, leased) == leased  # its producer lives: as it is
+    other = unique("orphan-get-lapsed")
+    await store.save(other, OWNER, response(other, "in_progress"), [], background=True)
+    await store.append(other, 0, event("response.created", 0))
+    ended = await end_if_orphaned(store, await store.load(other, OWNER))
+    assert ended.status == "failed" and ended.response["error"]["code"] == "replica_lost"
+    assert [n for n, _ in await store.read(other, -1, 0.01)] == [0, 1]
+
+
 async def test_a_reader_resumes_after_the_number_it_saw_last(make_store):
     store = make_store()
     rid = unique("resume")
@@ -250,7 +271,8 @@ def test_a_configured_redis_whose_address_is_not_in_the_environment_stops_the_re
 
 async def test_a_stopping_replica_waits_for_its_background_answers():
     """What the replica's shutdown awaits before it stops its engine (ModelServer.__del__)."""
-    answers = BackgroundAnswers(MemoryStore(60, 10), limit=2, lease_s=60)
+    store = MemoryStore(60, 10)
+    answers = BackgroundAnswers(store, limit=2, lease_s=60)
     release = asyncio.Event()
     ended: list[str] = []
 
@@ -258,10 +280,11 @@ async def test_a_stopping_replica_waits_for_its_background_answers():
         await release.wait()
         ended.append(name)
 
-    await answers.run("resp_a", answer("a"))
-    await answers.run("resp_b", answer("b"))
+    for name in ("a", "b"):
+        await answers.run(f"resp_{name}", answer(name), store.save(f"resp_{name}", OWNER, {}, [], background=True))
+        assert await store.leased(f"resp_{name}")
     with pytest.raises(APIError) as refused:
-        await answers.run("resp_c", answer("c"))
+        await answers.run("resp_c", answer("c"), store.save("resp_c", OWNER, {}, [], background=True))
     assert (refused.value.status, refused.value.code) == (429, "background_limit")
     draining = asyncio.create_task(answers.drain())
     await asyncio.sleep(0.05)  # (the drain is waiting: it must still be, with the answers under way)
