@@ -163,7 +163,8 @@ class ResponsesStoreConfig(StrictModel):
     ttl_s: float = Field(
         default=86_400.0,
         gt=0,
-        description="How long a stored response and its event log are kept after they last changed.",
+        description="How long a stored response and its event log are kept after they last changed (a "
+        "background answer being generated is kept while its replica renews its lease).",
     )
     max_per_key: int = Field(
         default=1000,

@@ -206,7 +206,8 @@ def build_http_app(
         finally:
             readiness.stop()
             settings.body_checker.close()
-            if settings.stored_responses is not None:
+            if settings.stored_responses is not None:  # (its background answers end first: the replica is stopping)
+                await settings.stored_responses.background.drain()
                 await settings.stored_responses.close()
 
     app = Starlette(

@@ -57,7 +57,15 @@ def test_the_ready_line_names_the_url_and_the_models_of_each_app(app, serving):
     ready = run([sys.executable, "-m", "tools.ready_line", str(app.config_path), "--timeout-s", "60"], os.environ)
     assert ready.returncode == 0, ready.stderr
     # The suite's config as it runs now, in its order (applications no later test uses are gone: conftest.py).
-    running = [application["name"] for application in yaml.safe_load(app.config_path.read_text())["applications"]]
+    running = yaml.safe_load(app.config_path.read_text())["applications"]
     assert ready.stdout.splitlines() == [
-        f"ready: {serving[name].url}/v1 serves {serving[name].model} (Ctrl-C stops it)" for name in running
+        f"ready: {serving[a['name']].url}/v1 serves {serving[a['name']].model}; stored responses live "
+        f"{where_responses_live(a)} (Ctrl-C stops it)"
+        for a in running
     ]
+
+
+def where_responses_live(application: dict) -> str:
+    """In Redis where the application's config names it (the bed and its variants), else in its replica."""
+    store = application["args"]["ingress"].get("responses_store") or {}
+    return "in Redis" if store.get("redis") is not None else "in the model replica's memory"

@@ -4,7 +4,7 @@ over the suite's Redis (Debian's redis-server, as deploy/config.sim.yaml names i
 Each test calls the replicas' own HTTP servers (HAProxy's servers for the app), so that it knows
 which replica answers: a background answer started on one is read, resumed and cancelled through
 the other. With the official ``openai`` SDK, but where a stream ends with an error event (which
-the SDK raises on), read as SSE text.
+the SDK raises on), read as SSE text. The last test scales ``glm-stored`` in to one replica.
 """
 
 from __future__ import annotations
@@ -18,11 +18,18 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 from ray.util.state import list_actors
 
 from serve_app.simulated_engine.controls import Control
-from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, STORED
-from tests.e2e.harness.serve_state import haproxy_server_addresses, haproxy_servers_up
+from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, STORED, application
+from tests.e2e.harness.serve_state import (
+    deployment_status,
+    haproxy_server_addresses,
+    haproxy_servers_up,
+    only_one_running,
+    serve_deploy_kept,
+)
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
@@ -177,8 +184,7 @@ async def test_a_stored_response_expires(stored, ray_cluster):
 async def test_a_replica_killed_under_a_background_answer_gives_its_readers_the_failure_event(stored, ray_cluster):
     """The replica generating a background answer is killed (SIGKILL); a reader following it through
     the other replica gets, once the producer's lease lapsed (``lease_s``, STORED), the error event
-    ``replica_lost``, and the stored response is ``failed``. (Last in the module: the replacement
-    Serve starts is not waited for.)"""
+    ``replica_lost``, and the stored response is ``failed``."""
     urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
     await stored.engines.control_all(Control.PACE, SLOW)
     response_id = await background(sdk(urls[0]), stored.app.model, tokens=900)
@@ -192,3 +198,38 @@ async def test_a_replica_killed_under_a_background_answer_gives_its_readers_the_
     assert kind == "error" and last["code"] == "replica_lost"
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert (await sdk(urls[1]).responses.retrieve(response_id)).status == "failed"
+
+
+async def test_a_replica_stopped_by_scale_in_finishes_its_background_answers(stored, ray_cluster, cluster, tmp_path):
+    """A background answer on each replica, held by the paused engines; the deployment scaled in to one
+    replica. Serve drains the stopping replica's requests (a background answer is none of them),
+    then its shutdown waits for its answer: once the engines resume, both answers end whole.
+    (Last in the module: ``glm-stored`` stays at one replica.)"""
+    urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
+    config = yaml.safe_load(stored.app.config_path.read_text())
+    (model,) = application(config, stored.app.name)["args"]["models"]
+    model["deployment"]["num_replicas"] = 1
+    scaled_in = tmp_path / "one-replica.yaml"
+    scaled_in.write_text(yaml.safe_dump(config, sort_keys=False))
+    async with stored.engines.paused():
+        ids = [await background(sdk(url), stored.app.model) for url in urls]
+        await stored.engines.wait_until_holding(2, within_s=30)
+        await serve_deploy_kept(scaled_in, stored.app.config_path, cluster)
+
+        async def one_stopping() -> bool:
+            status = await deployment_status(stored.model)
+            return status is not None and status.replica_states.get("STOPPING", 0) == 1
+
+        await wait_until(one_stopping, 60, "one replica of glm-stored stopping")
+    client = sdk(f"{stored.app.url}/v1")
+
+    async def ended() -> list | None:
+        found = [await client.responses.retrieve(response_id) for response_id in ids]
+        return found if all(f.status != "in_progress" and f.status != "queued" for f in found) else None
+
+    for response in await wait_until(ended, 60, "both background answers ended"):
+        assert response.status == "incomplete" and response.usage.output_tokens == TOKENS, (
+            response.status,
+            response.error,
+        )
+    await wait_until(lambda: only_one_running(stored.model), 60, "the stopping replica gone once its answer ended")

@@ -122,6 +122,9 @@ class MemoryStore:
         now = time.monotonic()
         self._leases = {rid: until for rid, until in self._leases.items() if until > now}  # (the lapsed go)
         self._leases |= dict.fromkeys(response_ids, now + lease_s)
+        for response_id in response_ids:  # kept while generated
+            if (kept := self._kept.get(response_id)) is not None:
+                self._touch(response_id, kept)
 
     async def leased(self, response_id: str) -> bool:
         return self._leases.get(response_id, 0.0) > time.monotonic()

@@ -155,7 +155,9 @@ class RedisStore:
     async def renew_lease(self, response_ids: list[str], lease_s: float) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             for response_id in response_ids:
-                pipe.set(f"{PREFIX}{response_id}:lease", b"1", px=int(lease_s * 1000))
+                key = PREFIX + response_id
+                pipe.set(key + ":lease", b"1", px=int(lease_s * 1000))
+                pipe.pexpire(key, self.ttl_ms).pexpire(key + ":events", self.ttl_ms)  # kept while generated
             await pipe.execute()
 
     async def leased(self, response_id: str) -> bool:

@@ -78,7 +78,8 @@ class ResponseStore(Protocol):
         ...
 
     async def renew_lease(self, response_ids: list[str], lease_s: float) -> None:
-        """The producing replica is alive: its answers' leases run ``lease_s`` more."""
+        """The producing replica is alive: its answers' leases run ``lease_s`` more, and the answers
+        are kept ``ttl_s`` from now (an answer being generated never expires, however long it waits)."""
         ...
 
     async def leased(self, response_id: str) -> bool:

@@ -293,3 +293,13 @@ async def test_a_stopping_replica_waits_for_its_background_answers():
     await asyncio.wait_for(draining, 10)
     assert sorted(ended) == ["a", "b"]
     await answers.close()
+
+
+async def test_an_answer_being_generated_is_kept_while_its_lease_is_renewed(make_store):
+    store = make_store(ttl_s=0.3)
+    rid = unique("renewed")
+    await store.save(rid, OWNER, response(rid, "in_progress"), [], background=True)
+    for _ in range(4):  # renewed past its expiry more than once
+        await store.renew_lease([rid], 0.3)
+        await asyncio.sleep(0.15)  # (half its time to live between renewals: what is proven is it is still kept)
+    assert await store.load(rid, OWNER) is not None
