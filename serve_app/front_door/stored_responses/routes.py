@@ -72,10 +72,9 @@ async def create(
         return StreamingResponse(
             follow(stored.store, response, -1, stored.lease_s / 2), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    items = request_input_items(payload)
 
-    async def keep(response: dict[str, Any]) -> None:
-        await stored.store.save(payload.request_id, owner, response, items, background=False)
+    async def keep(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
+        await stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=False)
 
     first, rest = await call_replica(model, "responses", payload, deadline, record, retry_s)
     if isinstance(first, str):
@@ -89,15 +88,14 @@ async def create(
 
 
 async def kept_at_end(frames: AsyncIterator[str | bytes], keep: Any) -> AsyncIterator[str | bytes]:
-    """A stored answer's stream, written through; its final object kept once it has been sent."""
-    final: dict[str, Any] | None = None
+    """A stored answer's stream, written through; its final object, which its last frame ends with,
+    kept once it has been sent (nothing is read of the frames before: the stream costs what chat's does)."""
+    last: str | bytes = ""
     async for frame in frames:
         yield frame
-        if isinstance(frame, str) and "event: response." in frame:
-            for event in split_events(frame):
-                if is_terminal(event):
-                    final = event_response(event)
-    if final is not None:
+        last = frame
+    events = split_events(last) if isinstance(last, str) else []
+    if events and is_terminal(events[-1]) and (final := event_response(events[-1])) is not None:
         await keep(final)
 
 
