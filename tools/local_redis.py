@@ -56,6 +56,7 @@ class LocalRedis:
         return {url_env: f"redis://127.0.0.1:{self.port}/0", password_env: self.password}
 
     def start(self) -> LocalRedis:
+        self.root = self.root.resolve()  # (a daemon changes to its `dir` before it opens its files)
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "redis.conf"
         conf.touch(mode=0o600)
