@@ -47,6 +47,7 @@ FIRST_MODULES = (
     "test_prefix_routing",
     "test_simulated_engine",
     "test_faults",
+    "test_stored_responses",
     "test_tenant_cache",
     "test_fair_share",
     "test_picker_keys",

@@ -1,10 +1,12 @@
-"""Stored responses and background answers across replicas, on ``glm-stored``: two model replicas
-over the suite's Redis (Debian's redis-server, as deploy/config.sim.yaml names it), two API keys.
+"""Stored responses and background answers across replicas, on ``prefix``: two model replicas
+over the suite's Redis (Debian's redis-server, as deploy/config.sim.yaml names it), with STORED's
+short lease and expiry; and keys' ownership on ``glm-keyed`` (two API keys, the same Redis).
 
-Each test calls the replicas' own HTTP servers (HAProxy's servers for the app), so that it knows
-which replica answers: a background answer started on one is read, resumed and cancelled through
-the other. With the official ``openai`` SDK, but where a stream ends with an error event (which
-the SDK raises on), read as SSE text. The last test scales ``glm-stored`` in to one replica.
+Each test on ``prefix`` calls the replicas' own HTTP servers (HAProxy's servers for the app), so
+that it knows which replica answers: a background answer started on one is read, resumed and
+cancelled through the other. With the official ``openai`` SDK, but where a stream ends with an
+error event (which the SDK raises on), read as SSE text. The last test scales ``prefix`` in to one
+replica (the module is its last user: tests/e2e/conftest.py's FIRST_MODULES).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from tests.e2e.harness.serve_state import (
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.applications("glm-stored")
+pytestmark = pytest.mark.applications("prefix", "glm-keyed")
 
-KEY_A, KEY_B = FLOOD_KEY, LIGHT_KEY
+KEY_A, KEY_B = FLOOD_KEY, LIGHT_KEY  # (glm-keyed's; prefix takes any)
 EXACTLY = {"ignore_eos": True}  # (the simulated engine's answers run to max_output_tokens either way)
 TOKENS = 120
 SLOW = 20.0  # times the timing model's step: a long answer is still being generated when the test acts
@@ -43,7 +45,7 @@ SLOW = 20.0  # times the timing model's step: a long answer is still being gener
 
 @pytest.fixture
 async def stored(variants) -> Bed:
-    return await ready_bed(variants["glm-stored"], replicas=2)
+    return await ready_bed(variants["prefix"], replicas=2)
 
 
 async def replica_urls(bed: Bed, stats_url: str) -> list[str]:
@@ -54,7 +56,7 @@ async def replica_urls(bed: Bed, stats_url: str) -> list[str]:
         addresses = await asyncio.to_thread(haproxy_server_addresses, bed.app.name)
         return [addresses[name] for name in up if name in addresses] if len(up) == 2 else None
 
-    addresses = await wait_until(both, 60, "HAProxy holding both replicas of glm-stored")
+    addresses = await wait_until(both, 60, "HAProxy holding both replicas of prefix")
     assert len(addresses) == 2, addresses
     return [f"http://{address}{bed.app.route_prefix}/v1" for address in addresses]
 
@@ -143,29 +145,32 @@ async def test_a_cancel_through_the_other_replica_stops_the_generation(stored, r
     assert (await other.responses.cancel(response_id)).status == "cancelled"  # again: as it is
 
 
-async def test_another_keys_response_is_not_found(stored, ray_cluster):
-    urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
-    mine = await sdk(urls[0]).responses.create(model=stored.app.model, input="Hi!", max_output_tokens=4)
-    assert (await sdk(urls[1]).responses.retrieve(mine.id)).output_text == mine.output_text
-    theirs = sdk(urls[1], KEY_B)
+async def test_another_keys_response_is_not_found(variants):
+    """On ``glm-keyed``: a response stored under one key is a 404 to the other for every call on it,
+    as a missing id is; its owner retrieves and deletes it."""
+    keyed = (await ready_bed(variants["glm-keyed"])).app
+    url = f"{keyed.url}/v1"
+    mine = await sdk(url).responses.create(model=keyed.model, input="Hi!", max_output_tokens=4)
+    assert (await sdk(url).responses.retrieve(mine.id)).output_text == mine.output_text
+    theirs = sdk(url, KEY_B)
     for call in (theirs.responses.retrieve, theirs.responses.cancel, theirs.responses.delete):
         with pytest.raises(openai.NotFoundError):
             await call(mine.id)
     with pytest.raises(openai.NotFoundError) as continued:
-        await theirs.responses.create(model=stored.app.model, input="And?", previous_response_id=mine.id)
+        await theirs.responses.create(model=keyed.model, input="And?", previous_response_id=mine.id)
     assert continued.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
-        await sdk(urls[1]).responses.retrieve("resp_0123456789abcdef")
-    async with httpx.AsyncClient(base_url=urls[1], headers={"Authorization": f"Bearer {KEY_A}"}) as client:
+        await sdk(url).responses.retrieve("resp_0123456789abcdef")
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY_A}"}) as client:
         bad = await client.get(f"/responses/{mine.id}", params={"stream": "true", "starting_after": "last"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"  # (not a background response)
-    await sdk(urls[1]).responses.delete(mine.id)
+    await sdk(url).responses.delete(mine.id)
     with pytest.raises(openai.NotFoundError):
-        await sdk(urls[0]).responses.retrieve(mine.id)
+        await sdk(url).responses.retrieve(mine.id)
 
 
 async def test_a_stored_response_expires(stored, ray_cluster):
-    """``glm-stored`` keeps responses ``ttl_s`` (STORED) after their last change: then a GET is a 404."""
+    """``prefix`` keeps responses ``ttl_s`` (STORED) after their last change: then a GET is a 404."""
     client = sdk((await replica_urls(stored, ray_cluster.haproxy_stats_url))[0])
     made = await client.responses.create(model=stored.app.model, input="Hi!", max_output_tokens=4)
     started = time.monotonic()
@@ -204,7 +209,7 @@ async def test_a_replica_stopped_by_scale_in_finishes_its_background_answers(sto
     """A background answer on each replica, held by the paused engines; the deployment scaled in to one
     replica. Serve drains the stopping replica's requests (a background answer is none of them),
     then its shutdown waits for its answer: once the engines resume, both answers end whole.
-    (Last in the module: ``glm-stored`` stays at one replica.)"""
+    (Last in the module: ``prefix`` stays at one replica.)"""
     urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
     config = yaml.safe_load(stored.app.config_path.read_text())
     (model,) = application(config, stored.app.name)["args"]["models"]
@@ -220,7 +225,7 @@ async def test_a_replica_stopped_by_scale_in_finishes_its_background_answers(sto
             status = await deployment_status(stored.model)
             return status is not None and status.replica_states.get("STOPPING", 0) == 1
 
-        await wait_until(one_stopping, 60, "one replica of glm-stored stopping")
+        await wait_until(one_stopping, 60, "one replica of prefix stopping")
     client = sdk(f"{stored.app.url}/v1")
 
     async def ended() -> list | None:

@@ -147,9 +147,9 @@ AUTOSCALED = {
 # machine answers then took past the bed's 60 s request timeout (504). glm-rollout: 16 clients
 # stream through a rollout that lasts Serve's production drain (30 s) and more.
 SLOWER_STEPS = {"step_launch_ms": 20.0}
-# glm-stored's store: a producer's lease of 2 s (shipped: 10 s), so that a reader ends the answer of
-# a killed replica within seconds; responses kept 10 s after their last change (shipped: a day), so
-# that the expiry test waits seconds.
+# prefix's store (test_stored_responses): a producer's lease of 2 s (shipped: 10 s), so that a
+# reader ends the answer of a killed replica within seconds; responses kept 10 s after their last
+# change (shipped: a day), so that the expiry test waits seconds.
 STORED = {"lease_s": 2.0, "ttl_s": 10.0}
 
 
@@ -174,8 +174,9 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     """The bed's variants the suite deploys once, beside the CPU app and the bed, so that no test
     deploys and restores one around itself (their key files written to ``workdir``):
 
-    - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share)
-      and each one's prompts cached apart (test_tenant_cache);
+    - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share),
+      each one's prompts cached apart (test_tenant_cache) and each one's stored responses
+      (test_stored_responses);
     - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
       rate limiter, one replica of it (test_fair_share), and trusting each other with the prefix
       cache (test_tenant_cache);
@@ -187,12 +188,12 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       answering ``/health`` for itself HEALTH_MAX_AGE_S after Serve's controller went quiet
       (test_direct_streaming);
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
-      test_simulated_engine; a dead engine's replica in test_direct_streaming);
+      test_simulated_engine; a dead engine's replica in test_direct_streaming), its responses in
+      the suite's Redis with STORED's shorter lease and expiry (test_stored_responses, which calls
+      each replica at its own port, and so does not depend on the routing);
     - ``glm-autoscaled`` (``/autoscaled``): deploy/config.sim.yaml's autoscaling from one replica
       (test_autoscale), with AUTOSCALED's shorter delays, look-back and smaller target so that it scales out and
       back within the test, and SLOWER_STEPS;
-    - ``glm-stored`` (``/stored``): two model replicas over the suite's Redis, with the two keys and
-      STORED's shorter lease and expiry (test_stored_responses).
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
@@ -224,16 +225,13 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     (model,) = prefix["args"]["models"]
     assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix
     model["deployment"]["num_replicas"] = 2
+    prefix["args"]["ingress"]["responses_store"] |= STORED
     autoscaled = variant("glm-autoscaled", "/autoscaled")
     (model,) = autoscaled["args"]["models"]
     del model["deployment"]["num_replicas"]
     model["deployment"]["autoscaling_config"] = bed_autoscaling() | AUTOSCALED
     model["simulated_engine"] |= SLOWER_STEPS
-    stored = with_keys(variant("glm-stored", "/stored"), workdir / "stored-keys", (FLOOD_KEY, LIGHT_KEY))
-    (model,) = stored["args"]["models"]
-    model["deployment"]["num_replicas"] = 2
-    stored["args"]["ingress"]["responses_store"] |= STORED
-    return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled, stored]
+    return [keyed, limited, rate_limited, rollout, direct, prefix, autoscaled]
 
 
 # The applications a few modules use, each removed once no test still to run names it in its
@@ -247,7 +245,6 @@ RETIRABLE = frozenset(
         "direct",
         "prefix",
         "glm-autoscaled",
-        "glm-stored",
         "glm-w4a16",
     }
 )
