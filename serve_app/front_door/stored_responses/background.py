@@ -230,4 +230,9 @@ async def follow(store: ResponseStore, response: dict[str, Any], after: int, wai
         if not await store.exists(response_id):  # it expired, or was deleted, while read
             yield responses_error_event(410, "the response is no longer stored", "response_gone", after + 1).decode()
             return
-        await finish(store, response, after + 1, None, REPLICA_LOST)
+        logged = await store.read(response_id, -1, 0)
+        if logged and is_terminal(logged[-1][1]):
+            if logged[-1][0] <= after:  # it ended at or before ``after``: nothing more comes
+                return
+            continue  # another reader ended it just now: read its end
+        await finish(store, response, len(logged), None, REPLICA_LOST)

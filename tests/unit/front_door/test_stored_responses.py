@@ -182,6 +182,20 @@ async def test_readers_of_an_answer_whose_replica_died_all_get_one_failure_event
     assert (await store.load(rid, OWNER)).status == "failed"
 
 
+async def test_a_reader_after_the_last_event_of_an_ended_answer_reads_nothing_and_writes_nothing(make_store):
+    """Resumed after the final event (its producer gone, as it is once the answer ended): nothing to
+    read, and the log and the response stay as they ended (not a ``replica_lost`` past the end)."""
+    store = make_store()
+    rid = unique("ended")
+    await store.save(rid, OWNER, response(rid), [], background=True)
+    for n, kind in enumerate(["response.created", "response.completed"]):
+        await store.append(rid, n, event(kind, n))
+    await store.update(rid, response(rid, "completed"))
+    assert [e async for e in follow(store, response(rid), 1, 0.05)] == []
+    assert [event_type(e) for _, e in await store.read(rid, -1, 0)] == ["response.created", "response.completed"]
+    assert (await store.load(rid, OWNER)).status == "completed"
+
+
 async def test_a_get_of_an_answer_whose_replica_died_ends_it_failed(make_store):
     store = make_store()
     rid = unique("orphan-get")
