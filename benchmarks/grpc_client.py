@@ -3,13 +3,17 @@
 The gRPC side of :mod:`benchmarks.client`: the same :class:`~benchmarks.client.Workload`,
 the same :class:`~benchmarks.records.RequestRecord`. A completions prompt is text here
 (the gRPC API takes ``prompt`` as a string): compare the protocols on ``--endpoint chat``,
-where both send the same text.
+where both send the same text. ``grpc-stream`` sends every request of a client on one
+multiplexed call (:class:`MultiplexedClients`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -34,11 +38,16 @@ def request_of(workload: Workload) -> Any:
 
 async def grpc_stream_once(stub: pb_grpc.GenerationStub, workload: Workload, metadata: tuple = ()) -> RequestRecord:
     started = time.perf_counter()
+    call = stub.Completion if workload.endpoint == "completions" else stub.ChatCompletion
+    return await timed(call(request_of(workload), metadata=metadata), started)
+
+
+async def timed(responses: AsyncIterator[Any], started: float) -> RequestRecord:
+    """One answer's responses (a call's, or one request's on a multiplexed call) timed as they come."""
     record = RequestRecord(ok=False)
     last_output: float | None = None
-    call = stub.Completion if workload.endpoint == "completions" else stub.ChatCompletion
     try:
-        async for response in call(request_of(workload), metadata=metadata):
+        async for response in responses:
             now = time.perf_counter()
             if response.final:
                 if response.HasField("error"):
@@ -86,3 +95,87 @@ class GRPCClients:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(channel.close() for channel in self.all))
+
+
+class MultiplexedCall:
+    """One Stream call (glm4serve.v1.Generation/Stream) shared by many requests at once: each sent
+    under an id of its own, its responses handed to it as they come."""
+
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.call = pb_grpc.GenerationStub(self.channel).Stream(metadata=metadata)
+        self.waiting: dict[str, asyncio.Queue[Any]] = {}
+        self.writing = asyncio.Lock()  # (one write at a time on a call)
+        self.ids = itertools.count()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for response in self.call:
+                kind = response.WhichOneof("response")
+                answer = response.rejected if kind == "rejected" else getattr(response, kind)
+                self.waiting[response.id].put_nowait(answer)
+        except grpc.aio.AioRpcError as exc:
+            for queue in self.waiting.values():
+                queue.put_nowait(exc)
+
+    async def answer(self, workload: Workload) -> RequestRecord:
+        stream_id = str(next(self.ids))
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.waiting[stream_id] = queue
+        request = request_of(workload)
+        kind = "completion" if workload.endpoint == "completions" else "chat"
+        started = time.perf_counter()
+        async with self.writing:
+            await self.call.write(pb.StreamRequest(id=stream_id, **{kind: request}))
+
+        async def responses() -> AsyncIterator[Any]:
+            while True:
+                response = await queue.get()
+                if isinstance(response, Exception):
+                    raise response
+                if isinstance(response, pb.Error):  # the message was rejected
+                    response = pb.ChatCompletionResponse(final=True, error=response)
+                yield response
+                if response.final:
+                    return
+
+        try:
+            return await timed(responses(), started)
+        finally:
+            del self.waiting[stream_id]
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            await self.call.done_writing()
+        await self.reader
+        await self.channel.close()
+
+
+class MultiplexedClients:
+    """``calls`` Stream calls, each carrying its share of the requests in flight (round robin): the
+    same load as :class:`GRPCClients`, on one connection and call per client instead of one per
+    request."""
+
+    def __init__(self, target: str, api_key: str | None = None, application: str | None = None, calls: int = 1) -> None:
+        self.target = target
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if application:
+            self.metadata += (("application", application),)
+        self.count = calls
+        self.calls: list[MultiplexedCall] = []
+        self.turn = itertools.count()
+
+    def acquire(self) -> int:
+        return next(self.turn) % self.count
+
+    def release(self, client: int) -> None:
+        pass
+
+    async def stream_once(self, client: int, workload: Workload) -> RequestRecord:
+        while len(self.calls) < self.count:
+            self.calls.append(MultiplexedCall(self.target, self.metadata))
+        return await self.calls[client].answer(workload)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(call.aclose() for call in self.calls))

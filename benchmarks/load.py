@@ -3,7 +3,9 @@
     python -m benchmarks.load --url http://127.0.0.1:8000 --model glm-4-9b-chat \\
         --concurrency 1 16 64 --input-tokens 32 --output-tokens 64 --out bench.json --plot bench.png
 
-``--protocol grpc`` sends the same load to this app's gRPC API (``--grpc-target``) instead.
+``--protocol grpc`` sends the same load to this app's gRPC API (``--grpc-target``) instead, one
+call per request; ``--protocol grpc-stream`` multiplexes the requests in flight on one Stream call
+per client (``--stream-clients``, default 1).
 
 Every request streams a fixed number of output tokens (``ignore_eos``) from a
 prompt of fixed length, so runs compare like with like. Per request it records
@@ -125,8 +127,17 @@ class ClientPool(Protocol):
 
 
 def client_pool(
-    protocol: str, url: str, grpc_target: str, api_key: str | None, grpc_application: str | None = None
+    protocol: str,
+    url: str,
+    grpc_target: str,
+    api_key: str | None,
+    grpc_application: str | None = None,
+    stream_clients: int = 1,
 ) -> ClientPool:
+    if protocol == "grpc-stream":
+        from benchmarks.grpc_client import MultiplexedClients
+
+        return MultiplexedClients(grpc_target, api_key, grpc_application, stream_clients)
     if protocol == "grpc":
         from benchmarks.grpc_client import GRPCClients
 
@@ -175,8 +186,9 @@ async def run(
     protocol: str = "http",
     grpc_target: str = "127.0.0.1:9000",
     grpc_application: str | None = None,
+    stream_clients: int = 1,
 ) -> dict[str, Any]:
-    clients = client_pool(protocol, url, grpc_target, api_key, grpc_application)
+    clients = client_pool(protocol, url, grpc_target, api_key, grpc_application, stream_clients)
     try:
         if warmup:
             await run_load(clients, workload, Load(requests=warmup, concurrency=1))
@@ -215,10 +227,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", help="sent as a Bearer token")
     parser.add_argument(
         "--protocol",
-        choices=["http", "grpc"],
+        choices=["http", "grpc", "grpc-stream"],
         default="http",
-        help="HTTP/SSE at --url, or the gRPC API at --grpc-target",
+        help="HTTP/SSE at --url, or the gRPC API at --grpc-target: a call per request, or the requests"
+        " in flight multiplexed on --stream-clients Stream calls",
     )
+    parser.add_argument("--stream-clients", type=int, default=1, help="grpc-stream: Stream calls the load shares")
     parser.add_argument("--grpc-target", default="127.0.0.1:9000", help="host:port of the gRPC API")
     parser.add_argument(
         "--grpc-application",
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.protocol,
             args.grpc_target,
             args.grpc_application,
+            args.stream_clients,
         )
     )
     print_table(result)

@@ -313,9 +313,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--app-protocols",
         nargs="+",
-        choices=["http", "grpc"],
+        choices=["http", "grpc", "grpc-stream"],
         default=["http"],
-        help="measure this app over each, one after the other (gRPC: app-grpc.json; compare on --endpoint chat)",
+        help="measure this app over each, one after the other (gRPC: app-grpc.json, a call per request;"
+        " grpc-stream: app-grpc-stream.json, every request on one multiplexed call; compare on --endpoint chat)",
     )
     parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
     parser.add_argument(

@@ -14,6 +14,7 @@ from serve_app.config.checks import split_engine_args
 from serve_app.config.ingress import (
     APIKeysConfig,
     CORSConfig,
+    GRPCStreamConfig,
     IngressConfig,
     PromptLogprobsConfig,
     RateLimitsConfig,
@@ -27,6 +28,7 @@ __all__ = [
     "AppConfig",
     "CORSConfig",
     "ConfigError",
+    "GRPCStreamConfig",
     "IngressConfig",
     "RedisStoreConfig",
     "ResponsesStoreConfig",

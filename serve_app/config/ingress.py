@@ -186,6 +186,22 @@ class ResponsesStoreConfig(StrictModel):
     )
 
 
+class GRPCStreamConfig(StrictModel):
+    """Bounds of one multiplexed gRPC call (``glm4serve.v1.Generation/Stream``), per call."""
+
+    max_requests_at_once: int = Field(
+        default=64,
+        gt=0,
+        description="Requests one Stream call runs at once; one past it gets RESOURCE_EXHAUSTED for its id alone.",
+    )
+    max_buffered_responses: int = Field(
+        default=256,
+        gt=0,
+        description="Responses one Stream call holds for a client that reads slower than they come; past it, its "
+        "requests wait to write (and the call stops reading new ones) until the client reads.",
+    )
+
+
 class IngressConfig(StrictModel):
     """The front door every model replica runs for its clients (HTTP and gRPC): the limits it enforces."""
 
@@ -311,6 +327,10 @@ class IngressConfig(StrictModel):
     responses_store: ResponsesStoreConfig = Field(
         default_factory=ResponsesStoreConfig,
         description="Where stored responses and background answers live (in-process unless redis is set).",
+    )
+    grpc_stream: GRPCStreamConfig = Field(
+        default_factory=GRPCStreamConfig,
+        description="Bounds of each multiplexed gRPC call (Generation/Stream).",
     )
     request_timeout_s: float = Field(
         default=600.0,

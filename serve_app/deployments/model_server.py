@@ -118,6 +118,16 @@ class ModelServer:
         async for response in self.grpc.completion(request, grpc_context):
             yield response
 
+    async def Stream(
+        self, requests: AsyncIterator[pb.StreamRequest], grpc_context: GRPCContext
+    ) -> AsyncIterator[pb.StreamResponse]:
+        async for response in self.grpc.stream(requests, grpc_context):
+            yield response
+
+    async def Resume(self, request: pb.ResumeRequest, grpc_context: GRPCContext) -> AsyncIterator[pb.StreamResponse]:
+        async for response in self.grpc.resume(request, grpc_context):
+            yield response
+
     async def Check(
         self, request: health_pb2.HealthCheckRequest, grpc_context: GRPCContext
     ) -> health_pb2.HealthCheckResponse:

@@ -44,6 +44,8 @@ QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
 PROTOCOLS = ("http", "grpc")  # the protocol label: the front door a request came in by
+# The rpc label of each endpoint's own gRPC call (a request on a multiplexed call: "Stream"); "" for HTTP.
+GRPC_METHODS = {"chat": "ChatCompletion", "completion": "Completion"}
 UNKNOWN_MODEL = "unknown"  # the model label of a request refused before its model was known
 
 # Error statuses whose share k8s/monitoring/prometheus-rules.yaml alerts on: exported at 0 from
@@ -94,8 +96,8 @@ class ServingMetrics:
         self.requests = Counter(
             REQUESTS,
             "Generation requests by final HTTP status (a stream ended by an error event counts under"
-            " that error's status; 499: the client left) and finish reason.",
-            tag_keys=("model", "protocol", "endpoint", "status", "finish_reason"),
+            " that error's status; 499: the client left), finish reason, and the gRPC method (rpc).",
+            tag_keys=("model", "protocol", "rpc", "endpoint", "status", "finish_reason"),
         )
         self.rejected = Counter(
             REJECTED,
@@ -151,7 +153,8 @@ class ServingMetrics:
                 start_at_zero(counter, tags)
             for endpoint in endpoints:  # the statuses the alerting rules divide by the total
                 for status in ALERTED_STATUSES:
-                    tags = of_model | {"endpoint": endpoint, "status": status, "finish_reason": ""}
+                    rpc = "" if protocol == "http" else GRPC_METHODS.get(endpoint, "")
+                    tags = of_model | {"rpc": rpc, "endpoint": endpoint, "status": status, "finish_reason": ""}
                     start_at_zero(self.requests, tags)
 
     def moved(self, record: RequestRecord, old: Phase, new: Phase) -> None:
@@ -171,7 +174,12 @@ class ServingMetrics:
         model = {"model": record.model or UNKNOWN_MODEL, "protocol": record.protocol}
         self.requests.inc(
             tags=model
-            | {"endpoint": record.endpoint, "status": str(record.status), "finish_reason": record.finish_reason or ""}
+            | {
+                "rpc": record.rpc,
+                "endpoint": record.endpoint,
+                "status": str(record.status),
+                "finish_reason": record.finish_reason or "",
+            }
         )
         if record.status == 429:
             self.rejected.inc(tags=model | {"reason": record.error_code or "overloaded"})

@@ -49,6 +49,8 @@ class Phase(enum.Enum):
 class RequestRecord:
     endpoint: str  # "chat" or "completion"
     protocol: str = "http"  # or "grpc"; statuses are HTTP's either way (the gRPC service maps its own)
+    rpc: str = ""  # the gRPC method that brought it (ChatCompletion, Completion, Stream); "" for HTTP
+    stream_id: str = ""  # on a multiplexed gRPC call (Stream), the id its client gave it
     started_at: float = field(default_factory=time.monotonic)
     model: str | None = None  # set once routed; never a client's unknown model name
     request_id: str | None = None

@@ -46,6 +46,10 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
     }
     if outcome is not None and outcome.empty is not None:
         fields["empty"] = outcome.empty  # an answer with nothing in it (docs/observability.md)
+    if record.rpc:
+        fields["rpc"] = record.rpc
+    if record.stream_id:
+        fields["stream_id"] = record.stream_id  # the client's id of a request on a multiplexed call
     if record.key_id is not None:
         fields["key_id"] = record.key_id
     if record.span is not None and record.span.get_span_context().is_valid:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve_app.config import AppConfig, CORSConfig
+from serve_app.config import AppConfig, CORSConfig, GRPCStreamConfig
 from serve_app.front_door.auth import APIKeys, load_api_keys
 from serve_app.front_door.capacity import GenerationSlots
 from serve_app.front_door.deadlines import TimeLimits
@@ -39,6 +39,7 @@ class IngressSettings:
     key_limits: KeyLimits | None = None  # None: no per-key rate limits
     isolate_prefix_cache: bool = False  # each key's prompts cached apart (serve_app.front_door.cache_salt)
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
+    grpc_stream: GRPCStreamConfig = GRPCStreamConfig()  # the bounds of a multiplexed gRPC call
     # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
     metrics: RequestObserver | None = None
     log_requests: bool = True  # one structured line per generation request
@@ -84,6 +85,7 @@ def ingress_settings(config: AppConfig, rate_limiter: LimiterHandle | None) -> I
         # Read here, in the replica: the environment (or mounted file) is the node's, not the deployer's.
         api_keys=load_api_keys(config.ingress.api_keys),
         cors=config.ingress.cors,
+        grpc_stream=config.ingress.grpc_stream,
         key_limits=key_limits(config, rate_limiter),
         isolate_prefix_cache=config.ingress.isolates_prefix_cache,
         metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from benchmarks.load import main
 
 
@@ -41,14 +43,16 @@ async def test_benchmark_measures_the_app(app, tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
-async def test_benchmark_measures_the_grpc_api_on_the_same_load(app):
-    """``--protocol grpc``: the same workload through the gRPC API; every call streams its exact count."""
-    argv = ["--protocol", "grpc", "--grpc-target", app.grpc_target, "--grpc-application", app.name]
+@pytest.mark.parametrize("protocol", ["grpc", "grpc-stream"])
+async def test_benchmark_measures_the_grpc_api_on_the_same_load(app, protocol):
+    """``--protocol grpc`` (a call per request) and ``grpc-stream`` (the requests in flight on one
+    multiplexed call): the same workload through the gRPC API; every answer streams its exact count."""
+    argv = ["--protocol", protocol, "--grpc-target", app.grpc_target, "--grpc-application", app.name]
     argv += ["--model", app.model, "--endpoint", "chat"]
     argv += ["--concurrency", "4", "--requests", "8", "--input-tokens", "16", "--output-tokens", "8", "--warmup", "1"]
     result = await asyncio.to_thread(main, argv)
     (level,) = result["levels"]
-    assert result["protocol"] == "grpc" and level["failed"] == 0, level["errors"]
+    assert result["protocol"] == protocol and level["failed"] == 0, level["errors"]
     assert all(r["output_tokens"] == 8 and r["ttft_s"] <= r["e2e_s"] for r in level["records"])
 
 

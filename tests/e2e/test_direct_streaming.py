@@ -28,10 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray.util.state import list_actors
 
 from serve_app.front_door import metrics
+from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.harness.apps import HEALTH_MAX_AGE_S, QUEUES, TAKES, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
-from tests.e2e.harness.grpc_calls import call, channel
+from tests.e2e.harness.grpc_calls import Multiplexed, call, channel
 from tests.e2e.harness.serve_state import (
     DeploymentName,
     applications,
@@ -204,6 +205,28 @@ async def test_past_its_queue_a_replica_answers_429_and_grpc_resource_exhausted_
         every_s=SCRAPE_EVERY_S,
     )
     assert rejected(metrics_url, **labels) - rejected_before == 2  # the 429 and the RESOURCE_EXHAUSTED
+
+
+async def test_a_request_on_a_multiplexed_call_past_the_replicas_bound_is_refused_alone(direct: RunningApp) -> None:
+    """The requests of one Stream call hold the replica's places one each: with the call's first
+    TAKES + QUEUES held (the engine paused), its next one gets its own RESOURCE_EXHAUSTED final
+    response, and the held ones complete on the same call, which ends OK."""
+    limit = TAKES + QUEUES
+    engines = SimulatedEngines(MODEL)
+    async with channel(direct) as grpc_channel:
+        stream = Multiplexed(pb_grpc.GenerationStub(grpc_channel))
+        async with engines.paused():
+            for n in range(limit):
+                await stream.send(pb.StreamRequest(id=f"held-{n}", chat=grpc_chat(direct.model, 4)))
+            await engines.wait_until_holding(limit)
+            await stream.send(pb.StreamRequest(id="past", chat=grpc_chat(direct.model, 4)))
+            refused = await stream.ended("past")
+        code, details = await stream.close()
+    assert code.name == "OK", details
+    assert (refused.final, refused.error.status, refused.error.code) == (True, 8, "overloaded")  # RESOURCE_EXHAUSTED
+    for n in range(limit):
+        final = stream.of(f"held-{n}")[-1]
+        assert final.final and not final.HasField("error") and final.usage.completion_tokens == 4
 
 
 def rejected(metrics_url: str, **labels: str) -> float:

@@ -99,3 +99,18 @@ async def test_the_grpc_docs_client_streams_an_answer_and_its_final_response(app
     *_, reason, count, unit = done.stdout.split()
     assert reason in ("stop", "length") and 0 < int(count) <= 64 and unit == "tokens", done.stdout
     assert "failed:" not in done.stdout
+
+
+async def test_the_grpc_docs_multiplexed_client_cancels_one_request_and_resumes_the_kept_one(app):
+    """docs/grpc.md's Stream example: two haikus end (stop or length), the third is cancelled (or its
+    cancel is rejected, had it ended first), and Resume reads the kept one's text again, whole."""
+    code = block_starting("docs/grpc.md", '"""Three haikus').text.replace(GRPC_DOC_TARGET, app.grpc_target)
+    done = await asyncio.to_thread(run, [sys.executable, "-c", code])
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    for n in (0, 1):
+        outcome, _ = lines[f"haiku-{n}"].split(" ", 1)
+        assert outcome in ("stop", "length"), done.stdout
+    assert lines["haiku-2"].split(" ", 1)[0] in ("cancelled", "rejected:"), done.stdout
+    answer_id, resumed = lines["resumed"].split(" ", 1)
+    assert answer_id.startswith("ans_") and resumed == lines["haiku-0"].split(" ", 1)[1], done.stdout

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 import httpx
 import pytest
-from google.protobuf import struct_pb2
+from google.protobuf import descriptor_pb2, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -207,3 +207,16 @@ async def test_health_service_and_reflection(app):
         async for answer in reflection.ServerReflectionInfo(iter([request])):
             services |= {s.name for s in answer.list_services_response.service}
         assert {"glm4serve.v1.Generation", "grpc.health.v1.Health"} <= services, services
+        described = reflection_pb2.ServerReflectionRequest(file_containing_symbol="glm4serve.v1.Generation")
+        methods = {}
+        async for answer in reflection.ServerReflectionInfo(iter([described])):
+            for raw in answer.file_descriptor_response.file_descriptor_proto:
+                for service in descriptor_pb2.FileDescriptorProto.FromString(raw).service:
+                    methods |= {m.name: (m.client_streaming, m.server_streaming) for m in service.method}
+    # (as `grpcurl -plaintext localhost:9000 describe glm4serve.v1.Generation` lists them)
+    assert methods == {
+        "ChatCompletion": (False, True),
+        "Completion": (False, True),
+        "Stream": (True, True),
+        "Resume": (False, True),
+    }, methods

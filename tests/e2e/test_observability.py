@@ -13,13 +13,15 @@ import json
 import secrets
 import uuid
 
+import grpc
 import httpx
 import ray
 
 from serve_app.front_door import metrics
+from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from tests.e2e.harness.bodies import chat, grpc_chat
-from tests.e2e.harness.grpc_calls import channel
+from tests.e2e.harness.grpc_calls import Multiplexed, channel
 from tests.e2e.harness.serve_state import request_log_lines
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, settled, total
 from tests.waiting import wait_until
@@ -43,17 +45,22 @@ def serving(samples, name: str, app, **labels: str) -> float:
 
 
 async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metrics(app, metrics_url):
-    """HTTP streams, a whole answer and a gRPC call: the counts grow by exactly what was sent, each
-    under its protocol; the gauges come back to 0; vLLM's metrics are there per replica."""
+    """HTTP streams, a whole answer, a gRPC call and two requests on a multiplexed call: the counts
+    grow by exactly what was sent, each under its protocol and RPC; the gauges come back to 0;
+    vLLM's metrics are there per replica."""
     before = await settled(metrics_url, f"ray_{metrics.REQUESTS}_total")  # earlier tests' requests all reported
     async with httpx.AsyncClient(base_url=app.url, timeout=120) as client, channel(app) as grpc_channel:
         streams = [client.post("/v1/chat/completions", json=body(app.model, stream=True)) for _ in range(STREAMS)]
         grpc_call = grpc_responses(grpc_channel, grpc_chat(app.model, TOKENS, content="Count to twenty."))
-        *responses, grpc_answer = await asyncio.gather(
-            *streams, client.post("/v1/chat/completions", json=body(app.model)), grpc_call
+        multiplexed = multiplexed_finals(
+            grpc_channel, {"a": grpc_chat(app.model, TOKENS), "b": grpc_chat(app.model, TOKENS)}
+        )
+        *responses, grpc_answer, stream_finals = await asyncio.gather(
+            *streams, client.post("/v1/chat/completions", json=body(app.model)), grpc_call, multiplexed
         )
     assert [r.status_code for r in responses] == [200] * (STREAMS + 1)
     assert grpc_answer[-1].final and grpc_answer[-1].usage.completion_tokens == TOKENS
+    assert [final.usage.completion_tokens for final in stream_finals.values()] == [TOKENS, TOKENS]
     prompt_tokens = responses[-1].json()["usage"]["prompt_tokens"]
 
     def grew_by(samples, name: str, **labels: str) -> float:
@@ -67,9 +74,11 @@ async def test_traffic_shows_in_the_serving_histograms_counters_and_engine_metri
         (metrics.COMPLETION_TOKENS + "_total", http): (STREAMS + 1) * TOKENS,
         (metrics.PROMPT_TOKENS + "_total", http): (STREAMS + 1) * prompt_tokens,
         (metrics.REQUESTS + "_total", (*http, ("status", "200"), ("finish_reason", "length"))): STREAMS + 1,
-        (metrics.REQUESTS + "_total", (*grpc_, ("status", "200"), ("endpoint", "chat"))): 1,
-        (metrics.TIME_TO_FIRST_TOKEN + "_count", grpc_): 1,
-        (metrics.COMPLETION_TOKENS + "_total", grpc_): TOKENS,
+        (metrics.REQUESTS + "_total", (*grpc_, ("status", "200"), ("endpoint", "chat"))): 3,
+        (metrics.REQUESTS + "_total", (*grpc_, ("rpc", "ChatCompletion"), ("status", "200"))): 1,
+        (metrics.REQUESTS + "_total", (*grpc_, ("rpc", "Stream"), ("status", "200"))): 2,
+        (metrics.TIME_TO_FIRST_TOKEN + "_count", grpc_): 3,
+        (metrics.COMPLETION_TOKENS + "_total", grpc_): 3 * TOKENS,
     }
 
     def engine_tokens(samples) -> float:  # vLLM's own count of the tokens it generated
@@ -150,6 +159,60 @@ async def test_a_grpc_call_is_logged_and_traced_as_an_http_request_is(app, otlp_
     )
     assert (line["protocol"], line["status"], line["completion_tokens"]) == ("grpc", 200, TOKENS)
     assert final.id == f"chatcmpl-{line['id']}"
+
+
+async def multiplexed_finals(grpc_channel, requests: dict) -> dict:
+    """Send ``requests`` (by id) on one Stream call; each one's final response, by id."""
+    call = Multiplexed(pb_grpc.GenerationStub(grpc_channel))
+    for stream_id, request in requests.items():
+        await call.send(pb.StreamRequest(id=stream_id, chat=request))
+    code, details = await call.close()
+    assert code == grpc.StatusCode.OK, details
+    return {stream_id: call.of(stream_id)[-1] for stream_id in requests}
+
+
+async def test_each_request_on_a_multiplexed_call_is_logged_and_traced_as_a_call_of_its_own(app, otlp_collector):
+    """Two requests on one Stream call (``traceparent`` in the call's metadata): each has its own span
+    ``glm4serve.v1.Generation/Stream`` in the client's trace, naming its id, with its engine span
+    under it, and its own log line with ``rpc`` and ``stream_id``."""
+    trace_id, client_span, request_id = secrets.token_hex(16), secrets.token_hex(8), uuid.uuid4().hex
+    metadata = (("traceparent", f"00-{trace_id}-{client_span}-01"), ("request_id", request_id))
+    async with channel(app) as grpc_channel:
+        call = Multiplexed(pb_grpc.GenerationStub(grpc_channel), metadata=metadata)
+        for stream_id in ("a", "b"):
+            await call.send(pb.StreamRequest(id=stream_id, chat=grpc_chat(app.model, TOKENS)))
+        code, details = await call.close()
+    assert code == grpc.StatusCode.OK, details
+
+    def spans():
+        found = [span for span in otlp_collector.trace(trace_id) if span.name == "glm4serve.v1.Generation/Stream"]
+        engine = [span for span in otlp_collector.trace(trace_id) if span.name == f"chat {app.model}"]
+        return (found, engine) if len(found) == 2 and len(engine) == 2 else None
+
+    ingress, engine = await wait_until(spans, 30, f"two front door and two engine spans of trace {trace_id}")
+    assert sorted(span.attributes["glm4serve.stream_id"] for span in ingress) == ["a", "b"]
+    assert {span.parent_span_id for span in ingress} == {client_span}
+    assert {span.parent_span_id for span in engine} == {span.span_id for span in ingress}
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+
+    def both_logged() -> dict | None:
+        lines = request_log_lines(session_dir, app.name)
+        found = {stream_id: lines.get(f"{request_id}/{stream_id}") for stream_id in ("a", "b")}
+        return found if all(found.values()) else None
+
+    lines = await wait_until(both_logged, 30, f"the log lines of {request_id}'s two requests")
+    for stream_id, line in lines.items():
+        assert (line["rpc"], line["stream_id"], line["status"], line["completion_tokens"]) == (
+            "Stream",
+            stream_id,
+            200,
+            TOKENS,
+        )
+        assert final_id(call, stream_id) == f"chatcmpl-{line['id']}"
+
+
+def final_id(call: Multiplexed, stream_id: str) -> str:
+    return call.of(stream_id)[-1].id
 
 
 def end_of_text(app) -> int:

@@ -17,14 +17,20 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 import yaml
 from ray.util.state import list_actors
 
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, STORED, application
+from tests.e2e.harness.bodies import grpc_chat
+from tests.e2e.harness.grpc_calls import Multiplexed
+from tests.e2e.harness.grpc_calls import call as call_whole
 from tests.e2e.harness.serve_state import (
     deployment_status,
     haproxy_server_addresses,
@@ -48,17 +54,22 @@ async def stored(variants) -> Bed:
     return await ready_bed(variants["prefix"], replicas=2)
 
 
-async def replica_urls(bed: Bed, stats_url: str) -> list[str]:
-    """Each replica's own base URL (its HTTP server, where HAProxy forwards), both replicas up."""
+async def replica_addresses(bed: Bed, stats_url: str, protocol: str = "http") -> list[str]:
+    """Each replica's own HTTP (or gRPC) server's host:port, where HAProxy forwards, both replicas up."""
 
     async def both() -> list[str] | None:
         up = [server["svname"] for server in await haproxy_servers_up(stats_url, bed.model)]
-        addresses = await asyncio.to_thread(haproxy_server_addresses, bed.app.name)
+        addresses = await asyncio.to_thread(haproxy_server_addresses, bed.app.name, protocol)
         return [addresses[name] for name in up if name in addresses] if len(up) == 2 else None
 
     addresses = await wait_until(both, 60, "HAProxy holding both replicas of prefix")
     assert len(addresses) == 2, addresses
-    return [f"http://{address}{bed.app.route_prefix}/v1" for address in addresses]
+    return addresses
+
+
+async def replica_urls(bed: Bed, stats_url: str) -> list[str]:
+    """Each replica's own base URL (its HTTP server), both replicas up."""
+    return [f"http://{address}{bed.app.route_prefix}/v1" for address in await replica_addresses(bed, stats_url)]
 
 
 def sdk(url: str, key: str = KEY_A) -> openai.AsyncOpenAI:
@@ -115,6 +126,40 @@ async def test_a_dropped_background_stream_resumes_through_the_other_replica(sto
     assert seen[-1].type == "response.incomplete" and final.status == "incomplete"
     assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == final.output_text
     assert final.usage.output_tokens == TOKENS and final.background
+
+
+async def test_a_kept_grpc_answer_resumes_through_the_other_replica(stored, ray_cluster):
+    """A request kept (``keep``) on a Stream call to one replica's gRPC server, the call cancelled
+    after 8 responses (its connection drops; the answer goes on); ``Resume`` through the other
+    replica after the last index received returns the exact remainder: every index once, one
+    final with the whole usage, the same responses as a Resume from the start. A missing id is
+    NOT_FOUND, and the Responses API does not serve a kept answer."""
+    one, other = await replica_addresses(stored, ray_cluster.haproxy_stats_url, "grpc")
+    await stored.engines.control_all(Control.PACE, 5.0)  # (the resumed call follows the live tail)
+    async with grpc.aio.insecure_channel(one) as grpc_channel:
+        call = Multiplexed(pb_grpc.GenerationStub(grpc_channel))
+        request = grpc_chat(stored.app.model, TOKENS, ignore_eos=True)
+        await call.send(pb.StreamRequest(id="story", keep=True, chat=request))
+        await wait_until(lambda: len(call.responses) >= 8, 60, "8 responses of the kept request")
+        call.call.cancel()
+    seen = list(call.responses)
+    answer_id = seen[0].answer_id
+    async with grpc.aio.insecure_channel(other) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
+        rest = [r async for r in stub.Resume(pb.ResumeRequest(answer_id=answer_id, after_index=seen[-1].index))]
+        whole = [r async for r in stub.Resume(pb.ResumeRequest(answer_id=answer_id, after_index=-1))]
+    resumed = seen + rest
+    assert [r.index for r in resumed] == list(range(len(resumed))) and resumed == whole
+    assert {(r.id, r.answer_id) for r in resumed} == {("story", answer_id)}
+    final = resumed[-1].chat
+    assert final.final and not final.HasField("error") and final.usage.completion_tokens == TOKENS
+    assert [r.chat.final for r in resumed].count(True) == 1
+    async with grpc.aio.insecure_channel(other) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
+        missing = await call_whole(stub.Resume, pb.ResumeRequest(answer_id="ans_0123", after_index=-1))
+    assert missing.code == grpc.StatusCode.NOT_FOUND and missing.responses == []
+    async with httpx.AsyncClient(base_url=(await replica_urls(stored, ray_cluster.haproxy_stats_url))[0]) as client:
+        assert (await client.get(f"/responses/{answer_id}")).status_code == 404  # (not a Responses API response)
 
 
 async def test_two_readers_through_two_replicas_read_the_same_answer(stored, ray_cluster):

@@ -22,6 +22,7 @@ RUN_BY = {
     ("README.md", "import openai"): "tests/e2e/test_docs.py",
     ("docs/performance.md", ".venv/bin/python -c"): "tests/repo/test_docs.py",
     ("docs/grpc.md", "import asyncio"): "tests/e2e/test_docs.py",
+    ("docs/grpc.md", '"""Three haikus'): "tests/e2e/test_docs.py",
 }
 
 

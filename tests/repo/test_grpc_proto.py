@@ -12,13 +12,16 @@ def test_checked_in_code_matches_the_proto(tmp_path: Path):
     assert sorted(p.name for p in (REPO / PACKAGE_DIR).glob("generation_pb2*")) == sorted(GENERATED)
 
 
-def test_the_service_has_the_api_s_two_streaming_calls():
+def test_the_service_has_the_api_s_streaming_calls_and_the_multiplexed_one():
     from serve_app.front_door.grpc_api import generation_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "glm4serve.v1.Generation"
-    calls = {m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods}
+    calls = {m.name: (m.input_type.name, m.output_type.name, m.client_streaming) for m in service.methods}
     assert calls == {
-        "ChatCompletion": ("ChatCompletionRequest", "ChatCompletionResponse", True),
-        "Completion": ("CompletionRequest", "CompletionResponse", True),
+        "ChatCompletion": ("ChatCompletionRequest", "ChatCompletionResponse", False),
+        "Completion": ("CompletionRequest", "CompletionResponse", False),
+        "Stream": ("StreamRequest", "StreamResponse", True),
+        "Resume": ("ResumeRequest", "StreamResponse", False),
     }
+    assert all(m.server_streaming for m in service.methods)

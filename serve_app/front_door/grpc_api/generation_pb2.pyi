@@ -153,6 +153,48 @@ class CompletionRequest(_message.Message):
     user: str
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., user: _Optional[str] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("id", "chat", "completion", "cancel", "keep")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    chat: ChatCompletionRequest
+    completion: CompletionRequest
+    cancel: Cancel
+    keep: bool
+    def __init__(self, id: _Optional[str] = ..., chat: _Optional[_Union[ChatCompletionRequest, _Mapping]] = ..., completion: _Optional[_Union[CompletionRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., keep: _Optional[bool] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("answer_id", "after_index")
+    ANSWER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    answer_id: str
+    after_index: int
+    def __init__(self, answer_id: _Optional[str] = ..., after_index: _Optional[int] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("id", "index", "answer_id", "chat", "completion", "rejected")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    index: int
+    answer_id: str
+    chat: ChatCompletionResponse
+    completion: CompletionResponse
+    rejected: Error
+    def __init__(self, id: _Optional[str] = ..., index: _Optional[int] = ..., answer_id: _Optional[str] = ..., chat: _Optional[_Union[ChatCompletionResponse, _Mapping]] = ..., completion: _Optional[_Union[CompletionResponse, _Mapping]] = ..., rejected: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
 class ChatCompletionResponse(_message.Message):
     __slots__ = ("id", "model", "choices", "completion_tokens", "final", "usage", "error")
     ID_FIELD_NUMBER: _ClassVar[int]

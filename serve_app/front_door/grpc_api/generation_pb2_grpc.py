@@ -44,6 +44,16 @@ class GenerationStub:
                 request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionRequest.SerializeToString,
                 response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/glm4serve.v1.Generation/Stream',
+                request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamRequest.SerializeToString,
+                response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/glm4serve.v1.Generation/Resume',
+                request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -63,6 +73,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Many requests on one call: each StreamRequest carries a client-chosen id and a chat or
+        completion request, or a cancel of an earlier id. The requests run at once; their responses
+        come back interleaved, each with its request's id, and exactly one response per request has
+        `final` set. Half-closing the call means "no more requests": it ends after the last final.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """The rest of a kept answer (StreamRequest.keep) after `after_index`, from any replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +102,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Completion,
                     request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionRequest.FromString,
                     response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamRequest.FromString,
+                    response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +168,60 @@ class Generation:
             '/glm4serve.v1.Generation/Completion',
             serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionRequest.SerializeToString,
             serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.CompletionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/glm4serve.v1.Generation/Stream',
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamRequest.SerializeToString,
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/glm4serve.v1.Generation/Resume',
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.SerializeToString,
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

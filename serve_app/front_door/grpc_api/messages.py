@@ -124,6 +124,13 @@ CHAT = StreamShape(pb.ChatCompletionResponse, pb.ChatChoice, _chat_choice)
 COMPLETION = StreamShape(pb.CompletionResponse, pb.CompletionChoice, _completion_choice)
 
 
+def wrap(stream_id: str, kind: str, index: int, response: Message, answer_id: str = "") -> pb.StreamResponse:
+    """A chat or completion response (``kind``) as a Stream call's response of request ``stream_id``."""
+    wrapped = pb.StreamResponse(id=stream_id, index=index, answer_id=answer_id)
+    getattr(wrapped, kind).CopyFrom(response)
+    return wrapped
+
+
 def error_message(error: APIError) -> pb.Error:
     return pb.Error(
         status=grpc_status(error.status).value[0],

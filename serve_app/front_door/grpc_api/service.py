@@ -44,6 +44,8 @@ from serve_app.front_door.capacity import SlotHold
 from serve_app.front_door.deadlines import Deadline, requested_timeout
 from serve_app.front_door.endpoints import Endpoint
 from serve_app.front_door.engine_call import call_replica, settle_reply, stream_sse
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api import kept_answers
 from serve_app.front_door.grpc_api.messages import (
     CHAT,
     COMPLETION,
@@ -51,17 +53,22 @@ from serve_app.front_door.grpc_api.messages import (
     ResponseWriter,
     StreamShape,
     error_of_event,
+    wrap,
 )
+from serve_app.front_door.grpc_api.multiplexed import MultiplexedCall
 from serve_app.front_door.models import ModelCatalog
 from serve_app.front_door.readiness import Readiness
 from serve_app.front_door.record import RequestRecord, end_record
 from serve_app.front_door.settings import IngressSettings
+from serve_app.front_door.stored_responses.background import end_if_orphaned
+from serve_app.front_door.stored_responses.store import NO_OWNER
 from serve_app.observability import tracing
 from serve_app.protocol import Reply
 
 logger = logging.getLogger("ray.serve")
 
 SERVICE = "glm4serve.v1.Generation"
+SHAPES = {"chat": CHAT, "completion": COMPLETION}  # each endpoint's messages, by the HTTP API's method
 RETRY_AFTER_S = 1  # what a refusal worth retrying tells the client to wait, as the HTTP API's Retry-After
 
 
@@ -101,27 +108,78 @@ class GenerationService:
         self.observers = settings.observers()
 
     def chat_completion(self, request: Message, context: GRPCContext) -> AsyncIterator[Message]:
-        return self._generate(CHAT, self.endpoints["chat"], request, context)
+        return self._generate("chat", request, context, "ChatCompletion")
 
     def completion(self, request: Message, context: GRPCContext) -> AsyncIterator[Message]:
-        return self._generate(COMPLETION, self.endpoints["completion"], request, context)
+        return self._generate("completion", request, context, "Completion")
 
-    async def _generate(
-        self, shape: StreamShape, endpoint: Endpoint, request: Message, context: GRPCContext
-    ) -> AsyncIterator[Message]:
+    async def stream(self, requests: AsyncIterator[pb.StreamRequest], context: GRPCContext) -> AsyncIterator[Message]:
+        """Generation/Stream: many requests on one call (:mod:`.multiplexed`), each admitted as a call
+        of its own would be. A call without an accepted key ends UNAUTHENTICATED before any of its
+        messages is read."""
         metadata = dict(context.invocation_metadata())
+        if self.settings.api_keys is not None:
+            try:
+                authenticate(self.settings.api_keys, metadata)
+            except APIError as refusal:
+                context.set_code(grpc_status(refusal.status))
+                context.set_details(refusal.message)
+                return
+        call = MultiplexedCall(StreamRequests(self, metadata), self.settings.grpc_stream)
+        async with aclosing(call.responses(requests)) as responses:
+            async for response in responses:
+                yield response
+
+    async def resume(self, request: pb.ResumeRequest, context: GRPCContext) -> AsyncIterator[pb.StreamResponse]:
+        """Generation/Resume: a kept answer's responses after ``after_index``, read from its log on
+        whichever replica takes the call, to its final. Another key's answer is NOT_FOUND, as a
+        missing one is; an answer that ended before ``after_index`` ends the call with nothing."""
+        metadata = dict(context.invocation_metadata())
+        stored = self.settings.stored_responses
+        try:
+            owner = _key_id(self.settings, metadata) or NO_OWNER
+            if stored is None:
+                raise APIError(400, "this server keeps no answers", "answer_id")
+            if request.after_index < -1:
+                raise APIError(400, f"after_index must be -1 or more, not {request.after_index}", "after_index")
+            found = await stored.store.load(request.answer_id, owner)
+            if found is None or found.response.get("object") != kept_answers.OBJECT:
+                raise kept_answers.not_found(request.answer_id)
+        except APIError as refusal:
+            context.set_code(grpc_status(refusal.status))
+            context.set_details(refusal.message)
+            return
+        found = await end_if_orphaned(stored.store, found)
+        wait_s = stored.lease_s / 2
+        async for response in kept_answers.follow_answer(stored.store, found.response, request.after_index, wait_s):
+            yield response
+
+    def _generate(
+        self, kind: str, request: Message, context: GRPCContext, rpc: str, stream_id: str = ""
+    ) -> AsyncGenerator[Message, None]:
+        shape, endpoint = SHAPES[kind], self.endpoints[kind]
+        return self._answered(shape, endpoint, request, context, self._record(endpoint, rpc, stream_id))
+
+    def _record(self, endpoint: Endpoint, rpc: str, stream_id: str) -> RequestRecord:
         metrics = self.settings.metrics
-        record = RequestRecord(
+        return RequestRecord(
             endpoint.method,
             protocol="grpc",
+            rpc=rpc,
+            stream_id=stream_id,
             stream=True,
             on_phase=metrics.moved if metrics is not None else None,
             keep_content=self.settings.log_content,
         )
-        method = f"{SERVICE}/{type(request).__name__.removesuffix('Request')}"
-        record.span = tracing.start_request_span(
-            method, metadata, {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method.split("/")[1]}
-        )
+
+    async def _answered(
+        self, shape: StreamShape, endpoint: Endpoint, request: Message, context: GRPCContext, record: RequestRecord
+    ) -> AsyncGenerator[Message, None]:
+        metadata = dict(context.invocation_metadata())
+        attributes = {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": record.rpc}
+        if record.stream_id:
+            attributes["glm4serve.stream_id"] = record.stream_id
+        record.span = tracing.start_request_span(f"{SERVICE}/{record.rpc}", metadata, attributes)
         writer = ResponseWriter(shape, model=getattr(request, "model", ""))
         try:
             async with aclosing(self._answer(endpoint, request, metadata, record, writer, context)) as responses:
@@ -221,6 +279,98 @@ class GenerationService:
         context.set_details("Watch is not offered; call Check")
         raise NotImplementedError("grpc.health.v1.Health/Watch")
         yield  # an async generator, as a server-streaming method must be
+
+
+class CallStatus:
+    """The status a request on a multiplexed call would give its call: kept apart, so that one
+    request's error is its final response's and never the call's (:class:`GRPCContext`)."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+        self.trailers: list[tuple[str, str]] = []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return list(self.metadata.items())
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+    def trailing_metadata(self) -> list[tuple[str, str]]:
+        return self.trailers
+
+    def set_trailing_metadata(self, metadata: list[tuple[str, str]]) -> None:
+        self.trailers = metadata
+
+
+class StreamRequests:
+    """How a Stream call's requests are answered (:class:`~.multiplexed.RequestRunner`): each as a call
+    of its own with the call's metadata (key, ``traceparent``, ``x-request-timeout``), its record
+    and span its own, ``rpc`` "Stream" and its client's id; a kept one as a background answer
+    (:mod:`.kept_answers`), which the call follows in its log."""
+
+    def __init__(self, service: GenerationService, metadata: dict[str, str]) -> None:
+        self.service = service
+        self.metadata = metadata
+        self.kept: dict[str, str] = {}  # the call's kept requests' answer ids, by their stream ids
+
+    async def run(
+        self, kind: str, request: Message, stream_id: str, keep: bool
+    ) -> AsyncGenerator[pb.StreamResponse, None]:
+        responses = self.service._generate(kind, request, CallStatus(self.metadata), "Stream", stream_id)
+        if not keep:
+            index = 0
+            async with aclosing(responses) as answered:
+                async for response in answered:
+                    yield wrap(stream_id, kind, index, response)
+                    index += 1
+            return
+        stored = self.service.settings.stored_responses
+        if stored is None:
+            await responses.aclose()
+            yield self.refuse(kind, request, stream_id, APIError(400, "this server keeps no answers", "keep"))
+            return
+        answer = kept_answers.new_answer(kind, stream_id)
+        owner = _key_id(self.service.settings, self.metadata) or NO_OWNER
+        saved = stored.store.save(answer["id"], owner, answer, [], background=True)
+        try:
+            await stored.background.run(answer["id"], kept_answers.produce(stored.store, answer, responses), saved)
+        except APIError as refusal:  # this replica generates as many as it may
+            yield self.refuse(kind, request, stream_id, refusal)
+            return
+        self.kept[stream_id] = answer["id"]
+        try:
+            async for response in kept_answers.follow_answer(stored.store, answer, -1, stored.lease_s / 2):
+                yield response
+        finally:
+            self.kept.pop(stream_id, None)
+
+    async def cancel(self, stream_id: str) -> bool:
+        stored = self.service.settings.stored_responses
+        if (answer_id := self.kept.get(stream_id)) is None or stored is None:
+            return False
+        await stored.background.cancel(answer_id)
+        return True
+
+    def refuse(self, kind: str, request: Message, stream_id: str, error: APIError) -> pb.StreamResponse:
+        service = self.service
+        record = service._record(service.endpoints[kind], "Stream", stream_id)
+        record.key_id = _key_id(service.settings, self.metadata)
+        final = service._end(record, ResponseWriter(SHAPES[kind], getattr(request, "model", "")), CallStatus({}), error)
+        end_record(record, service.observers)
+        return wrap(stream_id, kind, 0, final)
+
+    def final(self, kind: str, request: Message, stream_id: str, index: int, error: APIError) -> pb.StreamResponse:
+        return wrap(
+            stream_id, kind, index, ResponseWriter(SHAPES[kind], getattr(request, "model", "")).final(None, error)
+        )
+
+
+def _key_id(settings: IngressSettings, metadata: Mapping[str, str]) -> str | None:
+    """The call's key's id (the call was let in with it)."""
+    return authenticate(settings.api_keys, metadata) if settings.api_keys is not None else None
 
 
 def _error_of_reply(reply: Reply) -> APIError:

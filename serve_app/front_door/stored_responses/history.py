@@ -62,7 +62,7 @@ async def with_history(fields: dict[str, Any], store: ResponseStore, owner: str)
     if not isinstance(previous_id, str):
         raise APIError(400, f"{PARAM} must be a string", param=PARAM)
     stored = await store.load(previous_id, owner)
-    if stored is None:
+    if stored is None or not stored.is_response:
         raise APIError(404, f"no stored response has the id {previous_id!r}", param=PARAM, code="response_not_found")
     if not stored.finished:
         raise APIError(400, f"response {previous_id!r} is still {stored.status}", param=PARAM)

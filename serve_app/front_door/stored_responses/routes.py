@@ -119,7 +119,7 @@ async def _found(request: Request) -> tuple[StoredResponses, StoredResponse]:
     stored: StoredResponses = request.app.state.settings.stored_responses
     response_id = request.path_params["response_id"]
     found = await stored.store.load(response_id, owner_of(request))
-    if found is None:
+    if found is None or not found.is_response:
         raise APIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
     return stored, found
 

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-# A log's last event: the answer's end (whatever it was) or an error event.
-TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error")
+# A log's last event: the answer's end (whatever it was) or an error event; "grpc.final" is a kept
+# gRPC answer's final response (serve_app.front_door.grpc_api.kept_answers).
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error", "grpc.final")
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 NO_OWNER = ""  # the owner of every response where no API keys are configured
 
@@ -37,6 +38,11 @@ class StoredResponse:
     @property
     def finished(self) -> bool:
         return self.status in FINAL_STATUSES
+
+    @property
+    def is_response(self) -> bool:
+        """A Responses API response (not a gRPC kept answer, which shares the store)."""
+        return self.response.get("object") == "response"
 
 
 class ResponseStore(Protocol):

@@ -3,6 +3,8 @@ responses, status and trailing metadata)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -85,3 +87,45 @@ def ends_once(result: Call) -> None:
     """Exactly one final response, and it is the last."""
     finals = [r for r in result.responses if r.final]
     assert len(finals) == 1 and result.final.final, [r.final for r in result.responses]
+
+
+class Multiplexed:
+    """One Stream call (glm4serve.v1.Generation/Stream) as a test drives it: requests sent when the
+    test says, every response read as it comes and filed under its request's id."""
+
+    def __init__(self, stub: Any, **kwargs: Any) -> None:
+        self.call = stub.Stream(**kwargs)
+        self.responses: list[Any] = []  # in the order they came, every id's
+        self._final: dict[str, asyncio.Event] = {}
+        self._reading = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for response in self.call:
+                self.responses.append(response)
+                kind = response.WhichOneof("response")
+                if kind != "rejected" and getattr(response, kind).final:
+                    self._final.setdefault(response.id, asyncio.Event()).set()
+
+    async def send(self, request: Any) -> None:
+        """Send one message; one sent after the server ended the call is dropped (the status says why)."""
+        with contextlib.suppress(asyncio.InvalidStateError):
+            await self.call.write(request)
+
+    def of(self, stream_id: str) -> list[Any]:
+        """The responses of request ``stream_id``, unwrapped (chat or completion), in order (rejected
+        messages under that id apart: :attr:`responses` holds them)."""
+        kinds = [(r, r.WhichOneof("response")) for r in self.responses if r.id == stream_id]
+        return [getattr(r, kind) for r, kind in kinds if kind != "rejected"]
+
+    async def ended(self, stream_id: str, within_s: float = 60) -> Any:
+        """Request ``stream_id``'s final response, once it came."""
+        await asyncio.wait_for(self._final.setdefault(stream_id, asyncio.Event()).wait(), within_s)
+        return self.of(stream_id)[-1]
+
+    async def close(self) -> tuple[grpc.StatusCode, str]:
+        """Half-close (no more requests), then the call's status once it ended."""
+        with contextlib.suppress(asyncio.InvalidStateError):
+            await self.call.done_writing()
+        await self._reading
+        return await self.call.code(), await self.call.details()

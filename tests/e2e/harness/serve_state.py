@@ -236,11 +236,11 @@ async def single_replica(deployment: DeploymentName, within_s: float = SETTLE_S)
 HAPROXY_DIR = Path("/tmp/haproxy-serve")
 
 
-def haproxy_server_addresses(app_name: str) -> dict[str, str]:
-    """The servers of an app's HTTP backend in the newest HAProxy configuration that has one: each
-    server's name (as HAProxy's stats page names it) and the host:port of the replica's own HTTP
-    server, where HAProxy forwards its requests."""
-    backend = f"backend {HAProxyManager.get_safe_name(f'http-{app_name}')}\n"
+def haproxy_server_addresses(app_name: str, protocol: str = "http") -> dict[str, str]:
+    """The servers of an app's HTTP (or gRPC) backend in the newest HAProxy configuration that has
+    one: each server's name (as HAProxy's stats page names it) and the host:port of the replica's
+    own HTTP (gRPC) server, where HAProxy forwards its requests."""
+    backend = f"backend {HAProxyManager.get_safe_name(f'{protocol}-{app_name}')}\n"
     configs = [path for path in HAPROXY_DIR.glob("*/haproxy.cfg") if backend in path.read_text()]
     if not configs:
         return {}
@@ -378,7 +378,8 @@ async def serve_replica_id(actor_id: str) -> str:
 def request_log_lines(
     session_dir: str, app_name: str, deployment: str = "*", replica: str = "*"
 ) -> dict[str, dict[str, Any]]:
-    """The app's one JSON line per request, by the request's id (the client's ``X-Request-Id``).
+    """The app's one JSON line per request, by the request's id (the client's ``X-Request-Id``; on a
+    multiplexed gRPC call, whose requests share the call's id, ``<id>/<stream_id>``).
 
     Read from the Serve log of every replica of the app (or of one deployment's, or one
     replica's: its Serve id) in the session's log directory, as an operator would: the ingress
@@ -391,5 +392,6 @@ def request_log_lines(
             head, sep, payload = line.partition(' -- {"event":"request"')
             if sep:
                 request_id = head.split()[-1]
-                lines[request_id] = json.loads('{"event":"request"' + payload)
+                fields = json.loads('{"event":"request"' + payload)
+                lines[request_id + (f"/{fields['stream_id']}" if "stream_id" in fields else "")] = fields
     return lines

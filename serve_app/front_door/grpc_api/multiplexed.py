@@ -1,0 +1,168 @@
+"""One gRPC call carrying many requests (``glm4serve.v1.Generation/Stream``), as Triton's decoupled
+``ModelStreamInfer`` does: the client sends requests, each under an id it chose, and cancels of
+earlier ids; every request runs at once with the others, and its responses come back interleaved
+with the others', each tagged with its id, the last one ``final``.
+
+:class:`MultiplexedCall` reads the call's messages in a task of its own and runs each request in
+another (what a request is and how it is answered, the service's :class:`RequestRunner` says:
+the same admission and pipeline as a call of its own). Every response goes through one
+buffer that the call's writer empties; at most ``max_buffered_responses`` wait in it, and a
+request with a response to write past that waits (and so does the reader, which stops taking
+new messages: gRPC's flow control then holds the client back). At most
+``max_requests_at_once`` run; one more is answered RESOURCE_EXHAUSTED alone.
+
+The call ends once the client half-closed and every request's final response was written.
+A call the client cancels (or whose connection drops) cancels every request it runs, which
+aborts them in the engine.
+
+Runs in each model replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Protocol
+
+from google.protobuf.message import Message
+
+from serve_app.config import GRPCStreamConfig
+from serve_app.errors import APIError
+from serve_app.front_door.grpc_api import generation_pb2 as pb
+from serve_app.front_door.grpc_api.messages import error_message
+
+logger = logging.getLogger("ray.serve")
+
+CANCELLED_BY_CLIENT = APIError(499, "the request was cancelled on its stream", code="cancelled")
+
+
+class RequestRunner(Protocol):
+    """How one request of a multiplexed call is answered (the service, with the call's metadata)."""
+
+    def run(self, kind: str, request: Message, stream_id: str, keep: bool) -> AsyncGenerator[pb.StreamResponse, None]:
+        """The request's responses, the last one ``final`` (a refusal is a final response alone)."""
+        ...
+
+    def refuse(self, kind: str, request: Message, stream_id: str, error: APIError) -> pb.StreamResponse:
+        """A final response refusing the request, counted and logged as a request refused."""
+        ...
+
+    def final(self, kind: str, request: Message, stream_id: str, index: int, error: APIError) -> pb.StreamResponse:
+        """A final response with ``error``, nothing counted (the request's own record counts it)."""
+        ...
+
+    async def cancel(self, stream_id: str) -> bool:
+        """Stop a kept request wherever it is generated (its final comes through its log); False if
+        the request is not kept, for the call to cancel itself."""
+        ...
+
+
+class MultiplexedCall:
+    """The state of one Stream call: its running requests and its buffer of responses."""
+
+    def __init__(self, runner: RequestRunner, limits: GRPCStreamConfig) -> None:
+        self.runner = runner
+        self.limits = limits
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._cancelling: set[asyncio.Task[None]] = set()
+        self._buffer: asyncio.Queue[pb.StreamResponse | None] = asyncio.Queue()
+        self._space = asyncio.Semaphore(limits.max_buffered_responses)
+        self._reading = True
+
+    async def responses(self, requests: AsyncIterator[pb.StreamRequest]) -> AsyncGenerator[pb.StreamResponse, None]:
+        """The call's responses, as they come, until the client half-closed and every request ended."""
+        reader = asyncio.create_task(self._read(requests), name="stream reader")
+        try:
+            while (response := await self._buffer.get()) is not None:
+                self._space.release()
+                yield response
+        finally:  # ended, or the call was cancelled: nothing of it runs on
+            tasks = [reader, *self._running.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
+        try:
+            async for message in requests:
+                await self._take(message)
+        except Exception:
+            logger.exception("a Stream call's requests could not be read; its requests are cancelled")
+            self._buffer.put_nowait(None)  # (the writer ends the call, which cancels what runs)
+            return
+        cancelled = getattr(requests, "is_cancelled", None)
+        if cancelled is not None and cancelled():  # Serve's input ended because the client left
+            self._buffer.put_nowait(None)
+            return
+        self._reading = False
+        self._end_if_done()
+
+    async def _take(self, message: pb.StreamRequest) -> None:
+        """Start, cancel or reject one message's request."""
+        stream_id = message.id
+        which = message.WhichOneof("request")
+        if not stream_id:
+            await self._reject(stream_id, APIError(400, "a StreamRequest needs an id", "id"))
+        elif which is None:
+            empty = APIError(400, "a StreamRequest carries chat, completion or cancel", "request")
+            await self._reject(stream_id, empty)
+        elif which == "cancel":
+            task = self._running.get(stream_id)
+            if task is None:
+                await self._reject(
+                    stream_id, APIError(404, f"no request {stream_id!r} runs on this call", "id", "unknown_id")
+                )
+            elif not await self.runner.cancel(stream_id):
+                self._cancelling.add(task)
+                task.cancel()
+        elif stream_id in self._running:
+            await self._reject(
+                stream_id,
+                APIError(409, f"request {stream_id!r} still runs on this call; ids are unique", "id", "duplicate_id"),
+            )
+        elif len(self._running) >= self.limits.max_requests_at_once:
+            limit = self.limits.max_requests_at_once
+            error = APIError(429, f"this call runs {limit} requests at once already", code="stream_limit")
+            await self._emit(self.runner.refuse(which, getattr(message, which), stream_id, error))
+        else:
+            running = self._run(stream_id, which, getattr(message, which), message.keep)
+            task = asyncio.create_task(running, name=f"stream {stream_id}")
+            self._running[stream_id] = task
+            task.add_done_callback(lambda done: self._ended(stream_id, done))
+
+    async def _run(self, stream_id: str, kind: str, request: Message, keep: bool) -> None:
+        index = 0
+        writing: pb.StreamResponse | None = None  # a response not yet in the buffer
+        try:
+            async with contextlib.aclosing(self.runner.run(kind, request, stream_id, keep)) as responses:
+                async for writing in responses:
+                    await self._emit(writing)
+                    index, writing = index + 1, None
+        except asyncio.CancelledError:
+            if asyncio.current_task() not in self._cancelling:
+                raise  # the call ended: no one reads a final response
+            # Cancelled by the client (the engine's request is aborted by now): its final says so,
+            # unless the answer's own final was already on its way.
+            ended = writing is not None and getattr(writing, kind).final
+            final = writing if ended else self.runner.final(kind, request, stream_id, index, CANCELLED_BY_CLIENT)
+            assert final is not None
+            await self._emit(final)
+
+    def _ended(self, stream_id: str, task: asyncio.Task[None]) -> None:
+        if self._running.get(stream_id) is task:
+            del self._running[stream_id]
+        self._cancelling.discard(task)
+        self._end_if_done()
+
+    def _end_if_done(self) -> None:
+        if not self._reading and not self._running:
+            self._buffer.put_nowait(None)
+
+    async def _reject(self, stream_id: str, error: APIError) -> None:
+        await self._emit(pb.StreamResponse(id=stream_id, rejected=error_message(error)))
+
+    async def _emit(self, response: pb.StreamResponse) -> None:
+        await self._space.acquire()
+        self._buffer.put_nowait(response)
