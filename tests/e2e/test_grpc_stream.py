@@ -93,6 +93,24 @@ async def test_cancelling_one_request_frees_its_engine_slot_while_the_others_go_
     print(f"the engine let the cancelled request go {freed_s * 1000:.0f} ms after the cancel was sent")
 
 
+async def test_a_kept_request_cancelled_on_its_call_ends_cancelled_and_so_does_its_log(bed, stub):
+    """A kept request (``keep``) is generated apart from its call: a cancel on the call stops it in
+    the engine, its final on the call is CANCELLED, and ``Resume`` reads the same end from its log."""
+    await bed.engines.control_all(Control.PACE, SLOW)
+    call = Multiplexed(stub)
+    await call.send(pb.StreamRequest(id="kept", keep=True, chat=grpc_chat(bed.app.model, 40, ignore_eos=True)))
+    await bed.engines.wait_until_holding(1, within_s=30)
+    await call.send(pb.StreamRequest(id="kept", cancel=pb.Cancel()))
+    await bed.engines.wait_until_holding(0, within_s=30)
+    final = await call.ended("kept")
+    code, _ = await call.close()
+    assert code == grpc.StatusCode.OK
+    assert (final.error.status, final.error.code) == (grpc.StatusCode.CANCELLED.value[0], "response_cancelled")
+    answer_id = call.responses[-1].answer_id
+    resumed = [r async for r in stub.Resume(pb.ResumeRequest(answer_id=answer_id, after_index=-1))]
+    assert resumed[-1].chat == final and [r.index for r in resumed] == list(range(len(resumed)))
+
+
 async def test_ending_the_call_aborts_every_request_on_it(bed, stub):
     await bed.engines.control_all(Control.PACE, SLOW)
     call = Multiplexed(stub)
