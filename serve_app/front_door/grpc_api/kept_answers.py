@@ -31,7 +31,7 @@ from google.protobuf.message import Message
 
 from serve_app.errors import APIError
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.grpc_api.messages import CHAT, COMPLETION, ResponseWriter, error_of_event, wrap
+from serve_app.front_door.grpc_api.messages import SHAPES, ResponseWriter, error_of_event, wrap
 from serve_app.front_door.stored_responses.background import CANCELLED, finish, follow
 from serve_app.front_door.stored_responses.store import ResponseStore, event_type
 
@@ -72,8 +72,7 @@ def decode(event: str, answer: dict[str, Any], index: int) -> pb.StreamResponse:
     fields = json.loads(data)
     error = error_of_event(fields)
     error.status = STATUS_BY_CODE.get(error.code or "", error.status)
-    writer = ResponseWriter(CHAT if answer["kind"] == "chat" else COMPLETION, model="")
-    return stream_response(answer, index, writer.final(None, error))
+    return stream_response(answer, index, ResponseWriter(SHAPES[answer["kind"]], model="").final(None, error))
 
 
 async def produce(store: ResponseStore, answer: dict[str, Any], responses: AsyncGenerator[Message, None]) -> None:

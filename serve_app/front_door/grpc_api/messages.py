@@ -122,6 +122,7 @@ def _completion_choice(choice: dict[str, Any]) -> dict[str, Any]:
 
 CHAT = StreamShape(pb.ChatCompletionResponse, pb.ChatChoice, _chat_choice)
 COMPLETION = StreamShape(pb.CompletionResponse, pb.CompletionChoice, _completion_choice)
+SHAPES = {"chat": CHAT, "completion": COMPLETION}  # each endpoint's messages, by the HTTP API's method
 
 
 def wrap(stream_id: str, kind: str, index: int, response: Message, answer_id: str = "") -> pb.StreamResponse:

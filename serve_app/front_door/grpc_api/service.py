@@ -47,8 +47,7 @@ from serve_app.front_door.engine_call import call_replica, settle_reply, stream_
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import kept_answers
 from serve_app.front_door.grpc_api.messages import (
-    CHAT,
-    COMPLETION,
+    SHAPES,
     MessageBody,
     ResponseWriter,
     StreamShape,
@@ -68,7 +67,6 @@ from serve_app.protocol import Reply
 logger = logging.getLogger("ray.serve")
 
 SERVICE = "glm4serve.v1.Generation"
-SHAPES = {"chat": CHAT, "completion": COMPLETION}  # each endpoint's messages, by the HTTP API's method
 RETRY_AFTER_S = 1  # what a refusal worth retrying tells the client to wait, as the HTTP API's Retry-After
 
 
