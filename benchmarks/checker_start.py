@@ -1,7 +1,7 @@
 """How long a model replica's event loop stalls while its checker process starts.
 
 A model replica checks large bodies and builds grammars in a process of its own
-(:class:`serve_app.front_door.large_bodies.BodyChecker`), started with the first of them
+(:class:`serve_app.front_door.admission.large_bodies.BodyChecker`), started with the first of them
 through Python's forkserver, which first imports vLLM's request models and grammar backend.
 Every stream of the replica is written from its event loop, so a loop that waits for that
 start stalls all of them. This runs, in a fresh process (no forkserver yet, as in a new
@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 
-from serve_app.front_door.large_bodies import BodyChecker
+from serve_app.front_door.admission.large_bodies import BodyChecker
 
 # A valid chat made large (300 KB, over the 256 KiB that sends a body to the checker) by its text.
 LARGE_BODY = json.dumps({"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi " * 100_000}]}).encode()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.grammar_cost import GLM4_VOCAB, backend, stand_in_tokenizer
-from serve_app.front_door.request_cost import grammar_specs
+from serve_app.front_door.admission.request_cost import grammar_specs
 
 BOUND = 32_768  # ingress.max_grammar_chars
 
@@ -142,7 +142,7 @@ async def checker_starts(starts: int) -> list[tuple[float, float]]:
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from serve_app.front_door.large_bodies import BodyChecker
+    from serve_app.front_door.admission.large_bodies import BodyChecker
 
     request = pickle.dumps(CompletionRequest(model="m", prompt="p", response_format={"type": "json_object"}))
     times = []

@@ -7,7 +7,7 @@ deployment as the application's ingress
 (:class:`~serve_app.deployments.model_server.ModelServer`: each model replica answers
 its clients itself), the :class:`~serve_app.deployments.replica_picker.ReplicaPicker` that Serve's
 HAProxy asks which replica takes each request, and, when per-key rate limits are
-configured, the :class:`~serve_app.front_door.rate_limits.RateLimiter` every model replica
+configured, the :class:`~serve_app.front_door.admission.rate_limits.RateLimiter` every model replica
 asks. Settings are read in :mod:`serve_app.config`, turned into Serve's options in
 :mod:`serve_app.deployments.options`, and act in the deployments.
 

@@ -312,7 +312,7 @@ HOSTILE: list[Hostile] = [
     Hostile("large body, priority -1", padded(chat(priority=-1)), 400, "priority"),
     Hostile("mm_processor_kwargs", encoded(chat(mm_processor_kwargs={"num_crops": 4})), 400, "mm_processor_kwargs"),
     Hostile("ec_transfer_params", encoded(chat(ec_transfer_params={"a": 1})), 400, "ec_transfer_params"),
-    # The Responses API: what is not served is named (serve_app/front_door/responses_rules.py), the rest as chat
+    # The Responses API: what is not served is named (front_door/admission/responses_rules.py), the rest as chat
     Hostile(
         "hosted tool", encoded(responses(tools=[{"type": "web_search_preview"}])), 400, "tools.0.type", RESPONSES_PATH
     ),

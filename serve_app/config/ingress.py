@@ -20,7 +20,7 @@ class APIKeysConfig(StrictModel):
     """Where the ingress reads its API keys; set exactly one source.
 
     One key per line; blank lines and ``#`` comments are ignored (see
-    :func:`serve_app.front_door.auth.parse_keys`). A source that holds no key, or a malformed
+    :func:`serve_app.front_door.admission.auth.parse_keys`). A source that holds no key, or a malformed
     one, stops the ingress from starting: keys that are configured but missing
     never mean an open server.
     """

@@ -306,5 +306,6 @@ class ModelConfig(StrictModel):
         return int(self.deployment.get("max_ongoing_requests") or self.engine_args["max_num_seqs"])
 
     def with_priority_scheduling(self) -> ModelConfig:
-        """This model with vLLM's priority scheduling, which :class:`~serve_app.front_door.capacity.FairShare` uses."""
+        """This model with vLLM's priority scheduling, which fair share uses
+        (:class:`~serve_app.front_door.admission.capacity.FairShare`)."""
         return self.model_copy(update={"engine_args": self.engine_args | {"scheduling_policy": "priority"}})

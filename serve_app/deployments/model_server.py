@@ -3,10 +3,10 @@
 HAProxy forwards each request's connection to the replica the
 :class:`~serve_app.deployments.replica_picker.ReplicaPicker` chose. The replica answers it
 itself: its front door (:mod:`serve_app.front_door`: the HTTP app of
-:func:`~serve_app.front_door.http_app.build_http_app` and the gRPC service, API keys, rate
+:func:`~serve_app.front_door.http_api.app.build_http_app` and the gRPC service, API keys, rate
 limits, strict validation, deadlines, the request log, metrics, OpenAI-shaped errors) calls
 its own engine (:class:`~serve_app.engine.server.EngineServer`) in-process
-(:class:`~serve_app.front_door.local_engine.LocalModel`). Tokens go from the engine to the
+(:class:`~serve_app.front_door.core.local_engine.LocalModel`). Tokens go from the engine to the
 client's socket in this process. This module composes the two; neither imports the other.
 
 Every method Serve calls is here, each handing the call to the part that answers it: the
@@ -28,15 +28,15 @@ from starlette.applications import Starlette
 
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.engine.server import EngineServer
-from serve_app.front_door.capacity import FairShare, GenerationSlots
-from serve_app.front_door.endpoints import default_endpoints
+from serve_app.front_door.admission.capacity import FairShare, GenerationSlots
+from serve_app.front_door.admission.endpoints import default_endpoints
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.settings import ingress_settings
+from serve_app.front_door.core.local_engine import LocalModel, PrefixRoute
+from serve_app.front_door.core.readiness import ReadinessWatch
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService, GRPCContext
-from serve_app.front_door.http_app import build_http_app
-from serve_app.front_door.local_engine import LocalModel, PrefixRoute
-from serve_app.front_door.models import ModelCatalog, ModelEntry
-from serve_app.front_door.readiness import ReadinessWatch
-from serve_app.front_door.settings import ingress_settings
+from serve_app.front_door.http_api.app import build_http_app
 from serve_app.protocol import Answer
 from serve_app.serve_internals import ignore_client_control_headers, replica_states
 

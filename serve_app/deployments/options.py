@@ -64,7 +64,7 @@ def model_server_options(model: ModelConfig, longest_answer_s: float | None = No
     Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
     generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the model's
     ``generation_limit``, which the replica's front door enforces itself
-    (:mod:`serve_app.front_door.capacity`); the engine queues past its batch.
+    (:mod:`serve_app.front_door.admission.capacity`); the engine queues past its batch.
     """
     options = model_options(model, longest_answer_s)
     limit = model.generation_limit()
@@ -92,7 +92,7 @@ def rate_limiter_options(limits: RateLimitsConfig) -> dict[str, Any]:
     session id), so that each key's counts live in one place. With no fallback replica: a key's
     calls never split between two sets of counts; while its replica is gone, the front door's calls
     fail and it admits as it does when the limiter cannot be reached
-    (:mod:`serve_app.front_door.rate_limits`), until Serve's next list of replicas moves the key."""
+    (:mod:`serve_app.front_door.admission.rate_limits`), until Serve's next list of replicas moves the key."""
     router = {"request_router_class": CONSISTENT_HASH_ROUTER, "request_router_kwargs": {"num_fallback_replicas": 0}}
     options = {"name": "rate-limiter", "num_replicas": LIMITER_REPLICAS, "request_router_config": router}
     return options | limits.deployment

@@ -2,7 +2,7 @@
 
 Every model replica's front door asks it once per request, before the engine (the design of
 Envoy's global rate limit service), and reports the tokens an answer used when it ends
-(:mod:`serve_app.front_door.rate_limits`, which also says what happens when it cannot be
+(:mod:`serve_app.front_door.admission.rate_limits`, which also says what happens when it cannot be
 reached). Each key's calls all go to one replica (Ray's consistent-hash router, keyed by the
 key: :func:`serve_app.deployments.options.rate_limiter_options`), so each key's counts are kept
 in one place and several model replicas together enforce exactly the configured rate, at the
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ray import serve
 
 from serve_app.config import RateLimitsConfig
-from serve_app.front_door.rate_limits import CONCURRENT, CONCURRENT_RETRY_S, Decision
+from serve_app.front_door.admission.rate_limits import CONCURRENT, CONCURRENT_RETRY_S, Decision
 
 FORGET_EVERY_S = 60.0  # how often buckets of idle keys (full again) are dropped
 

@@ -39,9 +39,9 @@ from starlette.routing import Route
 
 from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
-from serve_app.front_door.auth import APIKeysUnavailable, bearer_token, load_api_keys
-from serve_app.front_door.cache_salt import key_cache_salt
-from serve_app.front_door.json_body import MAX_NESTING, check_structure
+from serve_app.front_door.admission.auth import APIKeysUnavailable, bearer_token, load_api_keys
+from serve_app.front_door.admission.cache_salt import key_cache_salt
+from serve_app.front_door.admission.json_body import MAX_NESTING, check_structure
 from serve_app.serve_internals import BODY_TRUNCATED_HEADER, ROUTE_PATH, any_replica, pick_replica, pick_replica_id
 
 logger = logging.getLogger("ray.serve")
@@ -77,7 +77,7 @@ def routing_request(body: bytes) -> tuple[str, Any] | None:
 
 
 class KeyCheck(Protocol):
-    """What the picker asks of the front door's keys (:class:`~serve_app.front_door.auth.APIKeys`)."""
+    """What the picker asks of the front door's keys (:class:`~serve_app.front_door.admission.auth.APIKeys`)."""
 
     def identify(self, key: str) -> str | None: ...
 
@@ -124,7 +124,7 @@ def accepted_key(keys: KeyCheck | None, headers: Mapping[str, str]) -> str | Non
 
 def salted(routing_args: Any, key_id: str) -> Any:
     """The parsed request under the ``cache_salt`` its key's front door gives it
-    (:mod:`serve_app.front_door.cache_salt`), so that the router keys its prompt as the engine caches it."""
+    (:mod:`serve_app.front_door.admission.cache_salt`), so that the router keys its prompt as the engine caches it."""
     sent = getattr(routing_args, "cache_salt", None)  # (unvalidated: the replica's 400 if not a string)
     routing_args.cache_salt = key_cache_salt(key_id, sent if isinstance(sent, str) else None)
     return routing_args

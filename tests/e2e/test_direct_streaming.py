@@ -27,9 +27,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray.util.state import list_actors
 
-from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.telemetry import metrics
 from tests.e2e.harness.apps import HEALTH_MAX_AGE_S, QUEUES, TAKES, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import Multiplexed, call, channel

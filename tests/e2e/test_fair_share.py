@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from serve_app.front_door import metrics
+from serve_app.front_door.telemetry import metrics
 from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.harness.bodies import chat
 from tests.e2e.harness.serve_state import only_one_running, serve_deploy_kept

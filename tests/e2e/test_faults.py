@@ -28,8 +28,8 @@ import ray
 from ray import serve
 from ray.util.state import list_actors
 
-from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.telemetry import metrics
 from serve_app.serve_internals import pick_replica
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import BED_REPLACES_S, BED_STALL_TIMEOUT_S, RunningApp

@@ -20,7 +20,7 @@ import yaml
 
 from benchmarks.client import carries_tokens
 from serve_app.config import parse_app_config
-from serve_app.front_door import metrics
+from serve_app.front_door.telemetry import metrics
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import application
 from tests.e2e.harness.bodies import LONG, chat

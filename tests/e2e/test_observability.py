@@ -17,9 +17,9 @@ import grpc
 import httpx
 import ray
 
-from serve_app.front_door import metrics
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
+from serve_app.front_door.telemetry import metrics
 from tests.e2e.harness.bodies import chat, grpc_chat
 from tests.e2e.harness.grpc_calls import Multiplexed, channel
 from tests.e2e.harness.serve_state import request_log_lines

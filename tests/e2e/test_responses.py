@@ -15,7 +15,7 @@ import openai
 import pytest
 import ray
 
-from serve_app.front_door import metrics
+from serve_app.front_door.telemetry import metrics
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.bodies import LONG
 from tests.e2e.harness.serve_state import request_log_lines

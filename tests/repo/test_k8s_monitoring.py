@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from serve_app.front_door.metrics import exported_names
+from serve_app.front_door.telemetry.metrics import exported_names
 from serve_app.routing.metrics import prefix_routing_names
 from tests.repo.k8s_manifests import DASHBOARD, MONITORING, OVERLAYS, rendered
 

@@ -1,6 +1,6 @@
 """Kept answers of the gRPC API (``StreamRequest.keep``), in the Responses API's store and log.
 
-A kept request is generated as a background answer is (:mod:`serve_app.front_door.stored_responses`):
+A kept request is generated as a background answer is (:mod:`serve_app.front_door.core.background`):
 as a task of the replica that took it, detached from the call that asked, its lease renewed while
 it runs, stopped by a cancel from any replica. Each of its responses is appended to its log
 under its ``index``; the call that asked follows the log, and so does ``Resume`` on any replica
@@ -30,10 +30,10 @@ from typing import Any
 from google.protobuf.message import Message
 
 from serve_app.errors import APIError
+from serve_app.front_door.answer_log.store import ResponseStore, event_type
+from serve_app.front_door.core.background import CANCELLED, finish, follow
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import SHAPES, ResponseWriter, error_of_event, wrap
-from serve_app.front_door.stored_responses.background import CANCELLED, finish, follow
-from serve_app.front_door.stored_responses.store import ResponseStore, event_type
 
 logger = logging.getLogger("ray.serve")
 

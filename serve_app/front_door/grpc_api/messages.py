@@ -21,8 +21,8 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from serve_app.errors import APIError, grpc_status, status_of
+from serve_app.front_door.admission.large_bodies import ToJSON
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.large_bodies import ToJSON
 from serve_app.protocol import DONE_EVENT, Outcome
 
 # What the gRPC service asks every replica stream for: usage on every chunk (the token
@@ -51,7 +51,7 @@ def message_json(message_type: type[Message], raw: bytes) -> bytes:
 
 
 class MessageBody:
-    """A gRPC request as admission reads it (a :class:`~serve_app.front_door.request_body.RequestBody`):
+    """A gRPC request as admission reads it (a :class:`~serve_app.front_door.admission.request_body.RequestBody`):
     the message the call brought, turned into the HTTP API's JSON directly, never parsed back from
     bytes. It is serialized once: its size on the wire is what the body limit counts (protobuf
     computes a size by encoding), and those bytes are what a large one sends to the checker process."""

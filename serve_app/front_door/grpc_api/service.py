@@ -4,9 +4,9 @@ Ray Serve's gRPC proxy receives each call and hands it, with a copy of its
 metadata, to the model deployment's method of the same name
 (:class:`serve_app.deployments.model_server.ModelServer`), which runs :class:`GenerationService`.
 A call goes the way an HTTP request goes: API key, validation by the same code
-(:mod:`serve_app.front_door.admission`), rate limits, a replica through
-:func:`~serve_app.front_door.engine_call.call_replica`, its stream read by
-:func:`~serve_app.front_door.engine_call.stream_sse`, and the same record for
+(:mod:`serve_app.front_door.admission.pipeline`), rate limits, a replica through
+:func:`~serve_app.front_door.core.generation.call_replica`, its stream read by
+:func:`~serve_app.front_door.core.generation.stream_sse`, and the same record for
 metrics, the log line and the span. Only the ends differ:
 
 * every stream ends with exactly one response whose ``final`` is set: it carries
@@ -38,12 +38,17 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
 from serve_app.errors import APIError, grpc_status
-from serve_app.front_door.admission import admit
-from serve_app.front_door.auth import authenticate
-from serve_app.front_door.capacity import SlotHold
-from serve_app.front_door.deadlines import Deadline, requested_timeout
-from serve_app.front_door.endpoints import Endpoint
-from serve_app.front_door.engine_call import call_replica, settle_reply, stream_sse
+from serve_app.front_door.admission.auth import authenticate
+from serve_app.front_door.admission.capacity import SlotHold
+from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
+from serve_app.front_door.admission.endpoints import Endpoint
+from serve_app.front_door.admission.models import ModelCatalog
+from serve_app.front_door.admission.pipeline import admit
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.answer_log.store import NO_OWNER
+from serve_app.front_door.core.background import end_if_orphaned
+from serve_app.front_door.core.generation import call_replica, settle_reply, stream_sse
+from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import kept_answers
 from serve_app.front_door.grpc_api.messages import (
@@ -55,12 +60,7 @@ from serve_app.front_door.grpc_api.messages import (
     wrap,
 )
 from serve_app.front_door.grpc_api.multiplexed import MultiplexedCall
-from serve_app.front_door.models import ModelCatalog
-from serve_app.front_door.readiness import Readiness
-from serve_app.front_door.record import RequestRecord, end_record
-from serve_app.front_door.settings import IngressSettings
-from serve_app.front_door.stored_responses.background import end_if_orphaned
-from serve_app.front_door.stored_responses.store import NO_OWNER
+from serve_app.front_door.telemetry.record import RequestRecord, end_record
 from serve_app.observability import tracing
 from serve_app.protocol import Reply
 

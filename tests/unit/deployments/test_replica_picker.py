@@ -12,9 +12,9 @@ from serve_app.config import APIKeysConfig
 from serve_app.deployments import replica_picker
 from serve_app.deployments.replica_picker import ANY_CLIENT, accepted_key, picker_keys, routing_of
 from serve_app.deployments.replica_picker import routing_request as read_routing_request
-from serve_app.front_door.auth import APIKeys
-from serve_app.front_door.cache_salt import key_cache_salt
-from serve_app.front_door.json_body import MAX_CONTAINERS
+from serve_app.front_door.admission.auth import APIKeys
+from serve_app.front_door.admission.cache_salt import key_cache_salt
+from serve_app.front_door.admission.json_body import MAX_CONTAINERS
 from serve_app.routing.prompt_text import PromptRenderer
 from serve_app.serve_internals import ReplicaEndpoint
 

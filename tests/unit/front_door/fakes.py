@@ -14,16 +14,16 @@ from starlette.testclient import TestClient
 
 from serve_app.config import CORSConfig
 from serve_app.deployments.rate_limiter import RateLedger
-from serve_app.front_door.auth import APIKeys
-from serve_app.front_door.capacity import GenerationSlots
-from serve_app.front_door.deadlines import TimeLimits
-from serve_app.front_door.http_app import build_http_app
-from serve_app.front_door.models import ModelCatalog, ModelEntry
-from serve_app.front_door.rate_limits import KeyLimits
-from serve_app.front_door.readiness import Readiness
-from serve_app.front_door.record import Phase, RequestRecord
-from serve_app.front_door.request_cost import CostLimits
-from serve_app.front_door.settings import IngressSettings
+from serve_app.front_door.admission.auth import APIKeys
+from serve_app.front_door.admission.capacity import GenerationSlots
+from serve_app.front_door.admission.deadlines import TimeLimits
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.rate_limits import KeyLimits
+from serve_app.front_door.admission.request_cost import CostLimits
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.readiness import Readiness
+from serve_app.front_door.http_api.app import build_http_app
+from serve_app.front_door.telemetry.record import Phase, RequestRecord
 
 CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -62,7 +62,7 @@ class FakeResponses:
 
 
 class FakeModel:
-    """Stands in for the engine (a :class:`~serve_app.front_door.engine_call.Model`): answers the
+    """Stands in for the engine (a :class:`~serve_app.front_door.core.generation.Model`): answers the
     n-th call with ``calls[n]`` (the last script repeats)."""
 
     def __init__(self, calls: list[list[Any]]):

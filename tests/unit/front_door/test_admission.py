@@ -7,9 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.front_door.admission import build_grammar_first
-from serve_app.front_door.grammar_build import GRAMMAR_BUILT
-from serve_app.front_door.record import RequestRecord
+from serve_app.front_door.admission.pipeline import build_grammar_first
+from serve_app.front_door.telemetry.record import GRAMMAR_BUILT, RequestRecord
 
 
 class Checker:

@@ -10,13 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import APIKeysConfig, IngressConfig
-from serve_app.front_door.auth import (
+from serve_app.front_door.admission.auth import (
     APIKeys,
     APIKeysUnavailable,
     load_api_keys,
     parse_keys,
 )
-from serve_app.front_door.route_path import route_path
+from serve_app.front_door.admission.route_path import route_path
 from serve_app.protocol import Reply
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, client_for
@@ -215,7 +215,7 @@ def test_keys_are_off_unless_configured():
 
 
 def test_check_does_not_stop_at_the_first_matching_key(env_keys, monkeypatch):
-    import serve_app.front_door.auth as auth
+    import serve_app.front_door.admission.auth as auth
 
     compared = []
     real = auth.hmac.compare_digest

@@ -6,8 +6,8 @@ import pytest
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 
 from serve_app.config import IngressConfig
-from serve_app.front_door.auth import APIKeys
-from serve_app.front_door.cache_salt import key_cache_salt
+from serve_app.front_door.admission.auth import APIKeys
+from serve_app.front_door.admission.cache_salt import key_cache_salt
 from serve_app.protocol import Reply
 from tests.unit.front_door.fakes import CHAT, client_for
 

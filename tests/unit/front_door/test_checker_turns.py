@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.front_door.checker_turns import TakeTurns
+from serve_app.front_door.admission.checker_turns import TakeTurns
 
 
 async def run_in_turns(jobs: list[str | None]) -> list[str | None]:

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import CORSConfig, IngressConfig
-from serve_app.front_door.auth import APIKeys
+from serve_app.front_door.admission.auth import APIKeys
 from serve_app.protocol import Reply
 from tests.unit.front_door.fakes import CHAT, client_for
 

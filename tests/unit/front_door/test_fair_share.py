@@ -1,4 +1,4 @@
-"""Fair share between API keys on one replica (serve_app.front_door.capacity): the rule, the ranks, and
+"""Fair share between API keys on one replica (serve_app.front_door.admission.capacity): the rule, the ranks, and
 what they do to waiting requests in an engine that schedules by priority (the simulated batch)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from serve_app.config import SimulatedEngineConfig
 from serve_app.errors import APIError
-from serve_app.front_door.capacity import (
+from serve_app.front_door.admission.capacity import (
     FairShare,
     GenerationSlots,
     KeyRanks,

@@ -10,10 +10,10 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from serve_app.front_door.answer_log.memory_store import MemoryStore
+from serve_app.front_door.answer_log.store import NO_OWNER
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.kept_answers import follow_answer, new_answer, produce
-from serve_app.front_door.stored_responses.memory_store import MemoryStore
-from serve_app.front_door.stored_responses.store import NO_OWNER
 
 
 async def kept(store: MemoryStore) -> dict:

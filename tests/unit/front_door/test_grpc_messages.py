@@ -6,7 +6,8 @@ import pytest
 from google.protobuf import struct_pb2
 
 from serve_app.errors import APIError
-from serve_app.front_door.endpoints import default_endpoints
+from serve_app.front_door.admission.endpoints import default_endpoints
+from serve_app.front_door.admission.validation import field_names, parse_request
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import (
     CHAT,
@@ -17,7 +18,6 @@ from serve_app.front_door.grpc_api.messages import (
     message_json,
     request_body,
 )
-from serve_app.front_door.validation import field_names, parse_request
 from serve_app.protocol import Outcome
 
 

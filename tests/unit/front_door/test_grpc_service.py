@@ -15,18 +15,18 @@ from grpc_health.v1 import health_pb2
 
 from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.errors import APIError
-from serve_app.front_door import json_body
-from serve_app.front_door.auth import APIKeys
-from serve_app.front_door.capacity import FairShare, GenerationSlots
-from serve_app.front_door.deadlines import TimeLimits
-from serve_app.front_door.endpoints import default_endpoints
+from serve_app.front_door.admission import json_body
+from serve_app.front_door.admission.auth import APIKeys
+from serve_app.front_door.admission.capacity import FairShare, GenerationSlots
+from serve_app.front_door.admission.deadlines import TimeLimits
+from serve_app.front_door.admission.endpoints import default_endpoints
+from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES, BodyChecker
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.rate_limits import KeyLimits
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService
-from serve_app.front_door.large_bodies import LARGE_BODY_BYTES, BodyChecker
-from serve_app.front_door.models import ModelCatalog, ModelEntry
-from serve_app.front_door.rate_limits import KeyLimits
-from serve_app.front_door.readiness import Readiness
-from serve_app.front_door.settings import IngressSettings
 from serve_app.protocol import Outcome, Reply
 from tests.unit.front_door.fakes import HANG, KEYS, SHORT, FakeModel, FixedReadiness, LedgerHandle, RecordingMetrics
 

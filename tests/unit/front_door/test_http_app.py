@@ -12,12 +12,12 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 from starlette.testclient import TestClient
 
-from serve_app.front_door.deadlines import TimeLimits
-from serve_app.front_door.engine_call import RETRY_INTERVAL_S
-from serve_app.front_door.http_app import build_http_app
-from serve_app.front_door.models import ModelCatalog, ModelEntry
-from serve_app.front_door.readiness import Readiness
-from serve_app.front_door.settings import IngressSettings
+from serve_app.front_door.admission.deadlines import TimeLimits
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.generation import RETRY_INTERVAL_S
+from serve_app.front_door.core.readiness import Readiness
+from serve_app.front_door.http_api.app import build_http_app
 from serve_app.protocol import Reply
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, HANG, SHORT, SLOW, FixedReadiness, client_for
@@ -161,7 +161,7 @@ def test_liveness_says_the_ingress_answers_whatever_the_models():
 
 
 def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
-    from serve_app.front_door.endpoints import default_endpoints
+    from serve_app.front_door.admission.endpoints import default_endpoints
 
     events = []
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from serve_app.config import IngressConfig
 from serve_app.errors import APIError
-from serve_app.front_door.large_bodies import (
+from serve_app.front_door.admission.large_bodies import (
     CHECKER_PRELOAD,
     LARGE_BODY_BYTES,
     MAX_WAITING,

@@ -16,11 +16,11 @@ from starlette.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from serve_app.errors import APIError
-from serve_app.front_door.auth import APIKeyMiddleware, APIKeys
-from serve_app.front_door.capacity import FairShare, GenerationCapacity, GenerationSlots
-from serve_app.front_door.deadlines import DeadlineExceeded, next_before
-from serve_app.front_door.local_engine import LocalModel, PrefixRoute, RoutedAnswer
-from serve_app.front_door.record import ObserveRequests, RequestRecord
+from serve_app.front_door.admission.auth import APIKeyMiddleware, APIKeys
+from serve_app.front_door.admission.capacity import FairShare, GenerationCapacity, GenerationSlots
+from serve_app.front_door.admission.deadlines import DeadlineExceeded, next_before
+from serve_app.front_door.core.local_engine import LocalModel, PrefixRoute, RoutedAnswer
+from serve_app.front_door.telemetry.record import ObserveRequests, RequestRecord
 from serve_app.protocol import Reply
 from tests.waiting import wait_until
 

@@ -3,7 +3,7 @@
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.front_door.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from serve_app.config import AppConfig, ConfigError, parse_app_config
 from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.engine.stream_transforms import OutcomeTap
 from serve_app.errors import APIError
-from serve_app.front_door import rate_limits
-from serve_app.front_door.auth import APIKeys
-from serve_app.front_door.rate_limits import Decision, KeyLimits, rate_limited
+from serve_app.front_door.admission import rate_limits
+from serve_app.front_door.admission.auth import APIKeys
+from serve_app.front_door.admission.rate_limits import Decision, KeyLimits, rate_limited
 from serve_app.protocol import Outcome, Reply
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, KEYS, LedgerHandle, client_for

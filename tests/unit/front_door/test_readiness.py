@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from serve_app.front_door.readiness import Readiness, ReadinessWatch, running_models
+from serve_app.front_door.core.readiness import Readiness, ReadinessWatch, running_models
 from tests.waiting import wait_until
 
 DEPLOYMENTS = {"glm-4-9b-chat": "model-glm-4-9b-chat", "second": "model-second"}

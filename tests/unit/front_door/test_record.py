@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.front_door.record import CLIENT_GONE, Phase, RequestRecord
-from serve_app.front_door.request_log import RefusalBudget, completion_text, log_request, request_fields
+from serve_app.front_door.telemetry.record import CLIENT_GONE, Phase, RequestRecord
+from serve_app.front_door.telemetry.request_log import RefusalBudget, completion_text, log_request, request_fields
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome, Reply
 from tests.unit.front_door.fakes import CHAT, HANG, SHORT, RecordingMetrics, client_for
@@ -235,7 +235,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 
     from ray.exceptions import TaskCancelledError
 
-    from serve_app.front_door.record import ObserveRequests
+    from serve_app.front_door.telemetry.record import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -259,7 +259,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 def test_a_failure_before_the_response_is_a_500_and_raised():
     import asyncio
 
-    from serve_app.front_door.record import ObserveRequests
+    from serve_app.front_door.telemetry.record import ObserveRequests
 
     async def app(scope, receive, send):
         raise ValueError("bug")
@@ -276,7 +276,7 @@ def test_requests_under_a_route_prefix_are_recorded():
     """Serve passes route_prefix as root_path and leaves it in path: the record must still match."""
     import asyncio
 
-    from serve_app.front_door.record import ObserveRequests
+    from serve_app.front_door.telemetry.record import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

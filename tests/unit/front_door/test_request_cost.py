@@ -1,4 +1,4 @@
-"""What one request may cost the engine: each bound of serve_app.front_door.request_cost, on bodies as
+"""What one request may cost the engine: each bound of serve_app.front_door.admission.request_cost, on bodies as
 clients send them (the hostile table runs them through the real apps in tests/e2e/test_hostile.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from serve_app.config import PromptLogprobsConfig
 from serve_app.errors import APIError
-from serve_app.front_door.request_cost import (
+from serve_app.front_door.admission.request_cost import (
     Asked,
     BodySize,
     CostLimits,

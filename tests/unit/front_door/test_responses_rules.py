@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.front_door.responses_rules import check_served
+from serve_app.front_door.admission.responses_rules import check_served
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 SERVED: dict[str, Any] = {

@@ -12,17 +12,17 @@ from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
-from serve_app.front_door.stored_responses.background import (
+from serve_app.front_door.answer_log.history import output_as_input, with_history
+from serve_app.front_door.answer_log.memory_store import MemoryStore
+from serve_app.front_door.answer_log.redis_store import RedisStore, StoreUnavailable, connect
+from serve_app.front_door.answer_log.store import ResponseStore, event_type, split_events
+from serve_app.front_door.core.background import (
     CANCELLED,
     BackgroundAnswers,
     end_if_orphaned,
     finish,
     follow,
 )
-from serve_app.front_door.stored_responses.history import output_as_input, with_history
-from serve_app.front_door.stored_responses.memory_store import MemoryStore
-from serve_app.front_door.stored_responses.redis_store import RedisStore, StoreUnavailable, connect
-from serve_app.front_door.stored_responses.store import ResponseStore, event_type, split_events
 from tests.waiting import wait_until
 from tools.local_redis import LocalRedis
 

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 
 from serve_app.config import IngressConfig
 from serve_app.errors import APIError
-from serve_app.front_door.json_body import MAX_CONTAINERS, MAX_NESTING, decode_body, structure
-from serve_app.front_door.request_cost import CostLimits
-from serve_app.front_door.validation import parameter_path
+from serve_app.front_door.admission.json_body import MAX_CONTAINERS, MAX_NESTING, decode_body, structure
+from serve_app.front_door.admission.request_cost import CostLimits
+from serve_app.front_door.admission.validation import parameter_path
 from serve_app.protocol import Reply
 from tests.hostile_requests import (
     CHAT_PATH,

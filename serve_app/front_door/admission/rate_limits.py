@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from serve_app.errors import APIError
-from serve_app.front_door.record import KeyLease, RequestRecord
+from serve_app.front_door.telemetry.record import KeyLease, RequestRecord
 
 logger = logging.getLogger("ray.serve")
 
@@ -149,7 +149,7 @@ class KeyLimits:
                 self._call("renew", key_id, sorted(lease_ids), self.lease_s)
 
     def request_ended(self, record: RequestRecord) -> None:
-        """An observer of every request's end (see :func:`serve_app.front_door.record.end_record`)."""
+        """An observer of every request's end (see :func:`serve_app.front_door.telemetry.record.end_record`)."""
         if record.key_lease is not None:
             self.ended(record.key_lease)
             record.key_lease = None

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.front_door.record import RequestRecord
+from serve_app.front_door.telemetry.record import RequestRecord
 
 logger = logging.getLogger("ray.serve")
 

@@ -2,7 +2,7 @@
 
 Built once per model replica from the serve config
 (:class:`serve_app.deployments.model_server.ModelServer`) and read by both front doors:
-the HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
+the HTTP routes (:mod:`serve_app.front_door.http_api.app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`).
 
 Runs in each model replica.
@@ -13,17 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve_app.config import AppConfig, CORSConfig, GRPCStreamConfig
-from serve_app.front_door.auth import APIKeys, load_api_keys
-from serve_app.front_door.capacity import GenerationSlots
-from serve_app.front_door.deadlines import TimeLimits
-from serve_app.front_door.endpoints import default_endpoints
-from serve_app.front_door.large_bodies import BodyChecker
-from serve_app.front_door.metrics import ServingMetrics
-from serve_app.front_door.rate_limits import KeyLimits, LimiterHandle
-from serve_app.front_door.record import Observer, RequestObserver
-from serve_app.front_door.request_cost import CostLimits
-from serve_app.front_door.request_log import log_request
-from serve_app.front_door.stored_responses.replica import StoredResponses
+from serve_app.front_door.admission.auth import APIKeys, load_api_keys
+from serve_app.front_door.admission.capacity import GenerationSlots
+from serve_app.front_door.admission.deadlines import TimeLimits
+from serve_app.front_door.admission.endpoints import default_endpoints
+from serve_app.front_door.admission.large_bodies import BodyChecker
+from serve_app.front_door.admission.rate_limits import KeyLimits, LimiterHandle
+from serve_app.front_door.admission.request_cost import CostLimits
+from serve_app.front_door.core.stored import StoredResponses
+from serve_app.front_door.telemetry.metrics import ServingMetrics
+from serve_app.front_door.telemetry.record import Observer, RequestObserver
+from serve_app.front_door.telemetry.request_log import log_request
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class IngressSettings:
     unavailable_retry_s: float = 30.0
     api_keys: APIKeys | None = None  # None: no key needed
     key_limits: KeyLimits | None = None  # None: no per-key rate limits
-    isolate_prefix_cache: bool = False  # each key's prompts cached apart (serve_app.front_door.cache_salt)
+    isolate_prefix_cache: bool = False  # each key's prompts cached apart (serve_app.front_door.admission.cache_salt)
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
     grpc_stream: GRPCStreamConfig = GRPCStreamConfig()  # the bounds of a multiplexed gRPC call
     # Told of every generation request as it moves and when it ends (ServingMetrics in a replica).
@@ -45,7 +45,7 @@ class IngressSettings:
     log_requests: bool = True  # one structured line per generation request
     log_content: bool = False  # ... with the prompt and the completion in it
     # The generation requests this model replica holds, queued ones included, shared by both
-    # front doors (serve_app.front_door.capacity); None: unbounded.
+    # front doors (serve_app.front_door.admission.capacity); None: unbounded.
     generation_slots: GenerationSlots | None = None
     # The Responses API's stored responses and background answers; None: none are stored.
     stored_responses: StoredResponses | None = None

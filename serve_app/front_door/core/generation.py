@@ -1,7 +1,7 @@
 """Calling the engine from the front door: one request, its retries, its deadlines, its stream.
 
 :func:`call_replica` sends a validated request to the model (:class:`Model`: this replica's
-engine, :mod:`serve_app.front_door.local_engine`) and waits for the answer to begin; :func:`relay` turns it
+engine, :mod:`serve_app.front_door.core.local_engine`) and waits for the answer to begin; :func:`relay` turns it
 into an HTTP response: a :class:`Reply` becomes a JSON response, a stream is
 written through as SSE (:func:`stream_sse`), bytes as they are, with a final
 error event if it fails after it started. (The gRPC service reads the same
@@ -23,8 +23,8 @@ from ray.exceptions import TaskCancelledError
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.errors import UNAVAILABLE, APIError, overloaded, responses_error_event, sse_error_event
-from serve_app.front_door.deadlines import Deadline, DeadlineExceeded, next_before
-from serve_app.front_door.record import Phase, RequestRecord
+from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, next_before
+from serve_app.front_door.telemetry.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
 from serve_app.protocol import Answer, GenerationRequest, Outcome, Reply, trailing_error
 
@@ -49,7 +49,7 @@ class AnswerStream(Protocol):
 
 class Model(Protocol):
     """What answers the front door's generation requests (in production, this replica's engine:
-    :class:`~serve_app.front_door.local_engine.LocalModel`)."""
+    :class:`~serve_app.front_door.core.local_engine.LocalModel`)."""
 
     def generate(
         self, method: str, payload: GenerationRequest, trace_context: dict[str, str] | None

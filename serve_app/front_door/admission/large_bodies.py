@@ -10,7 +10,7 @@ request already pickled, which the front door hands to the engine without
 unpickling it (:class:`serve_app.protocol.PickledRequest`).
 
 The same process builds every request's structured-output grammar first, under a
-time limit (:mod:`serve_app.front_door.grammar_build`): one job runs at a time, so the
+time limit (:mod:`serve_app.front_door.admission.grammar_build`): one job runs at a time, so the
 limit counts only the build, and a build past it costs the process, which is killed
 and started again. Each checker is forked from a forkserver that has imported vLLM's
 request models and grammar backend once (:data:`CHECKER_PRELOAD`): a killed checker is
@@ -20,7 +20,7 @@ vLLM again, so a grammar past its limit costs the replica its limit and little m
 At most :data:`MAX_WAITING` large bodies and :data:`MAX_WAITING_GRAMMARS` grammars are
 checked or waiting per model replica, and one API key holds at most half of either; more are
 refused with 429, so a flood of them holds bounded memory and delays only large bodies and
-grammars. The turns at the process go round the keys (:mod:`serve_app.front_door.checker_turns`):
+grammars. The turns at the process go round the keys (:mod:`serve_app.front_door.admission.checker_turns`):
 one key's costly specs delay another key's job by at most one of theirs.
 
 Runs in each model replica, and in the checker process each model replica starts.
@@ -46,12 +46,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from serve_app.errors import APIError
-from serve_app.front_door.checker_turns import TakeTurns
-from serve_app.front_door.grammar_build import GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR, build_grammar
-from serve_app.front_door.grammar_build import warm_up as warm_up_grammars
-from serve_app.front_door.json_body import decode_body
-from serve_app.front_door.request_cost import BodySize, measure
-from serve_app.front_door.validation import parse_request
+from serve_app.front_door.admission.checker_turns import TakeTurns
+from serve_app.front_door.admission.grammar_build import build_grammar
+from serve_app.front_door.admission.grammar_build import warm_up as warm_up_grammars
+from serve_app.front_door.admission.json_body import decode_body
+from serve_app.front_door.admission.request_cost import BodySize, measure
+from serve_app.front_door.admission.validation import parse_request
+from serve_app.front_door.telemetry.record import GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR
 from serve_app.protocol import PickledRequest
 
 logger = logging.getLogger("ray.serve")
@@ -66,14 +67,14 @@ CPU_POLL_S = 0.02  # how often a job's CPU time is read against its limit
 WALL_BACKSTOP = 10  # a job's wall-clock limit, in times its CPU-time limit
 # What every checker imports before its first job: the forkserver imports these once per replica.
 CHECKER_PRELOAD = (
-    "serve_app.front_door.large_bodies",
+    "serve_app.front_door.admission.large_bodies",
     "serve_app.vllm_internals",
     "vllm.entrypoints.openai.chat_completion.protocol",
     "vllm.entrypoints.openai.completion.protocol",
 )
 # What the front door checks or uses after validation (routing, output ceiling, choices, extensions, the
 # client's cache salt), copied out of the body; what the rest costs is measured there
-# (serve_app.front_door.request_cost.measure).
+# (serve_app.front_door.admission.request_cost.measure).
 CHECKED_FIELDS = (
     "model",
     "n",

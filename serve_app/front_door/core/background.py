@@ -21,10 +21,8 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from serve_app.errors import APIError, responses_error_event
-from serve_app.front_door.deadlines import Deadline, DeadlineExceeded, next_before
-from serve_app.front_door.engine_call import Model, TokenCounter, call_replica, replica_failure, settle_reply
-from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.stored_responses.store import (
+from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, next_before
+from serve_app.front_door.answer_log.store import (
     ResponseStore,
     StoredResponse,
     event_response,
@@ -32,6 +30,8 @@ from serve_app.front_door.stored_responses.store import (
     is_terminal,
     split_events,
 )
+from serve_app.front_door.core.generation import Model, TokenCounter, call_replica, replica_failure, settle_reply
+from serve_app.front_door.telemetry.record import RequestRecord
 from serve_app.protocol import GenerationRequest, Outcome, Reply
 
 logger = logging.getLogger("ray.serve")

@@ -7,7 +7,7 @@ and llguidance builds its items one by one (100 ms and 100 MB per million on thi
 project's 2-core VM), so one such request would stall every stream on a replica
 for minutes and then run it out of memory. So the front door builds every request's
 grammar first, the way vLLM will (:func:`serve_app.vllm_internals.build_request_grammar`),
-in its checker process (:class:`serve_app.front_door.large_bodies.BodyChecker`), which
+in its checker process (:class:`serve_app.front_door.admission.large_bodies.BodyChecker`), which
 is killed when the build passes ``ingress.max_grammar_build_s``; the request gets a
 400 ``grammar_too_costly`` and never reaches a replica.
 
@@ -24,12 +24,6 @@ from __future__ import annotations
 import pickle
 
 from serve_app.protocol import PickledRequest
-
-# A build's outcomes (the metrics' label): built, or the code of the 400 it gave.
-GRAMMAR_BUILT = "built"
-GRAMMAR_TOO_COSTLY = "grammar_too_costly"  # past ingress.max_grammar_build_s
-INVALID_GRAMMAR = "invalid_grammar"  # the engine could not build it
-GRAMMAR_OUTCOMES = (GRAMMAR_BUILT, GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR)
 
 
 def pickled(payload: object) -> bytes:

@@ -1,18 +1,18 @@
 """What every generation request passes between its body and the engine, whichever door brought it.
 
-The HTTP routes (:mod:`serve_app.front_door.http_app`) and the gRPC service
+The HTTP routes (:mod:`serve_app.front_door.http_api.app`) and the gRPC service
 (:mod:`serve_app.front_door.grpc_api.service`) receive requests differently and answer
 differently. Both hand :func:`admit` the request's body
-(:mod:`serve_app.front_door.request_body`: HTTP's bytes, or the gRPC message itself), and it
+(:mod:`serve_app.front_door.admission.request_body`: HTTP's bytes, or the gRPC message itself), and it
 does the rest the same way for both: the size limit (413), the key's rate limits (429),
 parsing and the structure checks (400; bodies over 256 KiB in the checker
-process, :mod:`serve_app.front_door.large_bodies`), routing by ``model`` (404),
-validation with vLLM's request model (:mod:`serve_app.front_door.validation`, 400),
-what the request may cost (:mod:`serve_app.front_door.request_cost`, 400), its
-grammar built first within a time limit (:mod:`serve_app.front_door.grammar_build`, 400), a
+process, :mod:`serve_app.front_door.admission.large_bodies`), routing by ``model`` (404),
+validation with vLLM's request model (:mod:`serve_app.front_door.admission.validation`, 400),
+what the request may cost (:mod:`serve_app.front_door.admission.request_cost`, 400), its
+grammar built first within a time limit (:mod:`serve_app.front_door.admission.grammar_build`, 400), a
 replica place per engine sequence with its key's rank
-(:mod:`serve_app.front_door.capacity`, 429) and the key's own prefix cache
-(:mod:`serve_app.front_door.cache_salt`).
+(:mod:`serve_app.front_door.admission.capacity`, 429) and the key's own prefix cache
+(:mod:`serve_app.front_door.admission.cache_salt`).
 The API key and the request's first place are taken by each door as the request
 arrives, before its body is read, from the same objects (``settings.api_keys``,
 ``settings.generation_slots``).
@@ -30,20 +30,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
-from serve_app.front_door.cache_salt import key_cache_salt
-from serve_app.front_door.capacity import SlotHold
-from serve_app.front_door.endpoints import Endpoint
-from serve_app.front_door.engine_call import TokenCounter
-from serve_app.front_door.grammar_build import GRAMMAR_BUILT, pickled
-from serve_app.front_door.json_body import decode_body
-from serve_app.front_door.large_bodies import LARGE_BODY_BYTES
-from serve_app.front_door.models import ModelCatalog, ModelEntry
-from serve_app.front_door.rate_limits import KeyLimits
-from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.request_body import JSONBody, RequestBody
-from serve_app.front_door.request_cost import BodySize, check_costs, engine_sequences, measure
-from serve_app.front_door.settings import IngressSettings
-from serve_app.front_door.validation import parse_request
+from serve_app.front_door.admission.cache_salt import key_cache_salt
+from serve_app.front_door.admission.capacity import SlotHold
+from serve_app.front_door.admission.endpoints import Endpoint
+from serve_app.front_door.admission.grammar_build import pickled
+from serve_app.front_door.admission.json_body import decode_body
+from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES
+from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.rate_limits import KeyLimits
+from serve_app.front_door.admission.request_body import JSONBody, RequestBody
+from serve_app.front_door.admission.request_cost import BodySize, check_costs, engine_sequences, measure
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.admission.validation import parse_request
+from serve_app.front_door.core.generation import TokenCounter
+from serve_app.front_door.telemetry.record import GRAMMAR_BUILT, RequestRecord
 from serve_app.protocol import GenerationRequest, with_cache_salt, with_priority
 
 
@@ -70,7 +70,8 @@ def hold_sequences(
 
 
 def check_limits(body: dict[str, Any], entry: ModelEntry[Any], settings: IngressSettings, size: BodySize) -> None:
-    """The server's own limits on what one request costs the engine (:mod:`serve_app.front_door.request_cost`)."""
+    """The server's own limits on what one request costs the engine
+    (:mod:`serve_app.front_door.admission.request_cost`)."""
     check_costs(body, size, settings.costs, entry.max_model_len, entry.max_output_tokens)
 
 
@@ -78,8 +79,8 @@ async def build_grammar_first(
     settings: IngressSettings, payload: GenerationRequest, size: BodySize, record: RequestRecord
 ) -> None:
     """Build the request's grammar in the checker process, within ``ingress.max_grammar_build_s``
-    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.grammar_build`), in its key's turn;
-    its outcome is left in ``record`` (counted by :mod:`serve_app.front_door.metrics`)."""
+    (400 ``grammar_too_costly`` past it; :mod:`serve_app.front_door.admission.grammar_build`), in its key's turn;
+    its outcome is left in ``record`` (counted by :mod:`serve_app.front_door.telemetry.metrics`)."""
     if size.grammar_chars and settings.costs.max_grammar_build_s is not None:
         try:
             await settings.body_checker.build_grammar(
@@ -103,7 +104,7 @@ async def admit_key(limits: KeyLimits | None, record: RequestRecord) -> TokenCou
 
 
 # Turns a decoded body into the one admitted, before it is validated (a Responses request's
-# previous_response_id into its conversation: serve_app.front_door.stored_responses.history).
+# previous_response_id into its conversation: serve_app.front_door.answer_log.history).
 Expand = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 EXPANDED_FIELD = b'"previous_response_id"'  # only a body naming it is expanded
 

@@ -30,20 +30,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app.errors import APIError, responses_error_event
-from serve_app.front_door.admission import Admitted
-from serve_app.front_door.deadlines import Deadline
-from serve_app.front_door.engine_call import SSE_HEADERS, call_replica, settle_reply, stream_sse
-from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.stored_responses.background import CANCELLED, end_if_orphaned, finish, follow, produce
-from serve_app.front_door.stored_responses.history import request_input_items
-from serve_app.front_door.stored_responses.replica import StoredResponses
-from serve_app.front_door.stored_responses.store import (
+from serve_app.front_door.admission.deadlines import Deadline
+from serve_app.front_door.admission.pipeline import Admitted
+from serve_app.front_door.answer_log.history import request_input_items
+from serve_app.front_door.answer_log.store import (
     NO_OWNER,
     StoredResponse,
     event_response,
     is_terminal,
     split_events,
 )
+from serve_app.front_door.core.background import CANCELLED, end_if_orphaned, finish, follow, produce
+from serve_app.front_door.core.generation import SSE_HEADERS, call_replica, settle_reply, stream_sse
+from serve_app.front_door.core.stored import StoredResponses
+from serve_app.front_door.telemetry.record import RequestRecord
 
 CANCEL_WAIT_S = 5.0  # longest a cancel waits for the answer's replica to end it
 CANCEL_POLL_S = 0.05

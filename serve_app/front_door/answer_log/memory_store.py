@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.front_door.stored_responses.store import StoredResponse
+from serve_app.front_door.answer_log.store import StoredResponse
 
 
 @dataclass

@@ -32,7 +32,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from serve_app.config import RedisStoreConfig
-from serve_app.front_door.stored_responses.store import StoredResponse
+from serve_app.front_door.answer_log.store import StoredResponse
 
 logger = logging.getLogger("ray.serve")
 

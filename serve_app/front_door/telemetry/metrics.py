@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.errors import ENGINE_FAILED
-from serve_app.front_door.grammar_build import GRAMMAR_OUTCOMES
-from serve_app.front_door.record import Phase, RequestRecord
+from serve_app.front_door.telemetry.record import GRAMMAR_OUTCOMES, Phase, RequestRecord
 from serve_app.observability.gauges import KeptGauges, kept_gauges
 from serve_app.protocol import EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS
 from serve_app.serve_internals import start_at_zero

@@ -2,7 +2,7 @@
 
 Pure logic over the models the deployment passed in (in production, one: this replica's
 engine), so it is tested without Ray. Per-request policies (API keys, rate limits, timeouts)
-have their seam in :mod:`serve_app.front_door.admission`, not here.
+have their seam in :mod:`serve_app.front_door.admission.pipeline`, not here.
 
 Runs in each model replica.
 """
@@ -21,7 +21,7 @@ H = TypeVar("H")
 @dataclass(frozen=True)
 class ModelEntry(Generic[H]):
     name: str
-    model: H  # what answers its requests (serve_app.front_door.engine_call.Model)
+    model: H  # what answers its requests (serve_app.front_door.core.generation.Model)
     max_model_len: int | None = None
     max_output_tokens: int | None = None  # the model's ceiling on one answer's tokens (None: the context)
     simulated: bool = False  # served by the simulated engine: its answers are not the model's

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.errors import APIError, overloaded
-from serve_app.front_door.auth import KEY_ID_SCOPE_KEY
-from serve_app.front_door.record import RequestRecord
-from serve_app.front_door.route_path import route_path
+from serve_app.front_door.admission.auth import KEY_ID_SCOPE_KEY
+from serve_app.front_door.admission.route_path import route_path
+from serve_app.front_door.telemetry.record import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,15 @@ from typing import Any, Protocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.errors import grpc_status
-from serve_app.front_door.route_path import route_path
+from serve_app.front_door.admission.route_path import route_path
 from serve_app.observability import tracing
 from serve_app.protocol import Outcome
+
+# A build's outcomes (the metrics' label): built, or the code of the 400 it gave.
+GRAMMAR_BUILT = "built"
+GRAMMAR_TOO_COSTLY = "grammar_too_costly"  # past ingress.max_grammar_build_s
+INVALID_GRAMMAR = "invalid_grammar"  # the engine could not build it
+GRAMMAR_OUTCOMES = (GRAMMAR_BUILT, GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR)
 
 CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
 

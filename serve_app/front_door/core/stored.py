@@ -15,10 +15,10 @@ from functools import partial
 from typing import Any
 
 from serve_app.config import ResponsesStoreConfig
-from serve_app.front_door.stored_responses.background import BackgroundAnswers
-from serve_app.front_door.stored_responses.history import with_history
-from serve_app.front_door.stored_responses.memory_store import MemoryStore
-from serve_app.front_door.stored_responses.store import ResponseStore
+from serve_app.front_door.answer_log.history import with_history
+from serve_app.front_door.answer_log.memory_store import MemoryStore
+from serve_app.front_door.answer_log.store import ResponseStore
+from serve_app.front_door.core.background import BackgroundAnswers
 
 
 @dataclass
@@ -36,7 +36,7 @@ class StoredResponses:
         if config.redis is None:
             store = MemoryStore(config.ttl_s, config.max_per_key)
         else:
-            from serve_app.front_door.stored_responses.redis_store import RedisStore, connect
+            from serve_app.front_door.answer_log.redis_store import RedisStore, connect
 
             where = "in Redis, through its Sentinels" if config.redis.sentinel_master else "in Redis"
             store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where)

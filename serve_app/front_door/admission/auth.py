@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.config import APIKeysConfig
 from serve_app.errors import APIError
-from serve_app.front_door.route_path import route_path
+from serve_app.front_door.admission.route_path import route_path
 
 logger = logging.getLogger("ray.serve")
 

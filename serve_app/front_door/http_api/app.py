@@ -2,13 +2,13 @@
 
 Each generation route does the same four things: read the body (413 when too
 large), validate it strictly with vLLM's own request model and the OpenAI API's
-rules (:mod:`serve_app.front_door.validation`, or for a large body
-:mod:`serve_app.front_door.large_bodies` in another process; 400 naming the
+rules (:mod:`serve_app.front_door.admission.validation`, or for a large body
+:mod:`serve_app.front_door.admission.large_bodies` in another process; 400 naming the
 parameter), route it by ``model`` (404 when nobody serves it) and hand it to
-:mod:`serve_app.front_door.engine_call`, which calls a model replica and relays
+:mod:`serve_app.front_door.core.generation`, which calls a model replica and relays
 its answer.
 
-API keys are checked before any of that, by :mod:`serve_app.front_door.auth`'s
+API keys are checked before any of that, by :mod:`serve_app.front_door.admission.auth`'s
 middleware; other per-request policies (rate limits, timeouts) belong between
 parsing and routing, in :func:`handle_generation`.
 
@@ -33,24 +33,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app.errors import UNAVAILABLE, APIError, error_body
-from serve_app.front_door.admission import admit
-from serve_app.front_door.auth import APIKeyMiddleware
-from serve_app.front_door.capacity import SLOT_HOLD_SCOPE_KEY, GenerationCapacity
-from serve_app.front_door.deadlines import Deadline, requested_timeout
-from serve_app.front_door.endpoints import Endpoint, default_endpoints
-from serve_app.front_door.engine_call import relay
-from serve_app.front_door.models import ModelCatalog
-from serve_app.front_door.readiness import Readiness
-from serve_app.front_door.record import ObserveRequests, RequestRecord
-from serve_app.front_door.request_body import JSONBody
-from serve_app.front_door.settings import IngressSettings
-from serve_app.front_door.stored_responses import routes as stored_routes
+from serve_app.front_door.admission.auth import APIKeyMiddleware
+from serve_app.front_door.admission.capacity import SLOT_HOLD_SCOPE_KEY, GenerationCapacity
+from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
+from serve_app.front_door.admission.endpoints import Endpoint, default_endpoints
+from serve_app.front_door.admission.models import ModelCatalog
+from serve_app.front_door.admission.pipeline import admit
+from serve_app.front_door.admission.request_body import JSONBody
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.generation import relay
+from serve_app.front_door.core.readiness import Readiness
+from serve_app.front_door.http_api import responses as stored_routes
+from serve_app.front_door.telemetry.record import ObserveRequests, RequestRecord
 
 logger = logging.getLogger("ray.serve")
 
 
 class ReadinessSource(Protocol):
-    """Where ``/health`` reads readiness (:class:`serve_app.front_door.readiness.ReadinessWatch`)."""
+    """Where ``/health`` reads readiness (:class:`serve_app.front_door.core.readiness.ReadinessWatch`)."""
 
     def start(self) -> None: ...
 
@@ -117,7 +117,7 @@ async def health(request: Request) -> Response:
     """Readiness: 200 only when every configured model has a running, healthy replica; while
     Serve's controller does not answer, when this replica's engine serves.
 
-    Answered from what :mod:`serve_app.front_door.readiness` last read, never by asking the
+    Answered from what :mod:`serve_app.front_door.core.readiness` last read, never by asking the
     controller; ``age_s`` says how old that is, ``controller_reachable`` whether it is too old.
     """
     readiness: Readiness = request.app.state.readiness.readiness()

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from serve_app.errors import APIError
-from serve_app.front_door.stored_responses.store import ResponseStore
+from serve_app.front_door.answer_log.store import ResponseStore
 
 PARAM = "previous_response_id"
 

@@ -3,7 +3,7 @@
 The HTTP door hands admission the bytes it read (:class:`JSONBody`); the gRPC door the message
 it already has (:class:`serve_app.front_door.grpc_api.messages.MessageBody`), which becomes the
 HTTP API's JSON without being serialized and parsed again. Only a large body crosses to the
-checker process as bytes (:mod:`serve_app.front_door.large_bodies`), with the picklable
+checker process as bytes (:mod:`serve_app.front_door.admission.large_bodies`), with the picklable
 function that turns them into that JSON there.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from serve_app.front_door.large_bodies import ToJSON
+from serve_app.front_door.admission.large_bodies import ToJSON
 
 
 class RequestBody(Protocol):

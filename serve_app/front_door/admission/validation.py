@@ -5,8 +5,8 @@ vLLM's models are lenient where OpenAI's API is not: pydantic's lax mode turns
 unknown role passes as a custom message, unknown parameters are ignored (vLLM's
 removed guided-decoding fields among them, so output would silently not be
 constrained), and ranges are checked late or not at all. Here a body is
-checked as bytes (UTF-8, nesting: :mod:`serve_app.front_door.json_body`), then validated with vLLM's model in strict
-JSON mode (JSON types must match), then against the OpenAI API's documented
+checked as bytes (UTF-8, nesting: :mod:`serve_app.front_door.admission.json_body`), then
+validated with vLLM's model in strict JSON mode (JSON types must match), then against the OpenAI API's documented
 rules. Every failure is a 400 that names the parameter.
 
 Runs in each model replica (and its checker process, for a large body).
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from vllm.exceptions import VLLMClientError
 
 from serve_app.errors import APIError, quoted
-from serve_app.front_door.responses_rules import check_served
+from serve_app.front_door.admission.responses_rules import check_served
 from serve_app.glm4.control_tokens import MARK_REFUSED, find_control_mark
 from serve_app.protocol import GenerationRequest, as_generation_request
 
@@ -47,7 +47,7 @@ COMPLETION_LOGPROBS = (0, 5)  # /v1/completions: logprobs is a count, at most 5
 # OpenAI parameters vLLM does not know that change nothing in the answer: accepted and dropped,
 # so clients that always send them (store=false, metadata for their own bookkeeping) work.
 IGNORED_OPENAI_PARAMS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
-STORED_RESPONSES_PARAMS = frozenset({"store"})  # the Responses API's `store` is served (front_door/stored_responses)
+STORED_RESPONSES_PARAMS = frozenset({"store"})  # the Responses API's `store` is served (front_door/answer_log)
 
 # vLLM parameters this server refuses, with why: each would let a request skip what the server guarantees.
 REFUSED_VLLM_PARAMS = {

@@ -1,8 +1,8 @@
 """This model replica's engine, as the front door calls it: in-process, or another replica once it failed.
 
-The front door (:mod:`serve_app.front_door.engine_call`) calls ``model.generate(method,
+The front door (:mod:`serve_app.front_door.core.generation`) calls ``model.generate(method,
 request, trace_context)`` and reads the answer as it comes (iterate it, cancel it: an
-:class:`~serve_app.front_door.engine_call.AnswerStream`). :class:`LocalModel` answers with the
+:class:`~serve_app.front_door.core.generation.AnswerStream`). :class:`LocalModel` answers with the
 engine beside it, a plain call in this process; once this replica's engine has failed it sends
 a request on to the deployment's other replicas through a Serve handle, and under a bare
 ``serve run`` with prefix routing, to the replica the ReplicaPicker names.
@@ -19,7 +19,7 @@ from functools import partial
 
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.front_door.engine_call import AnswerStream
+from serve_app.front_door.core.generation import AnswerStream
 from serve_app.protocol import Answer, GenerationRequest
 from serve_app.serve_internals import picked_replica
 
@@ -30,7 +30,7 @@ GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGen
 
 class LocalAnswer:
     """A generation running in this process, read as the front door reads every answer
-    (:func:`serve_app.front_door.engine_call.call_replica`): iterate it, cancel it.
+    (:func:`serve_app.front_door.core.generation.call_replica`): iterate it, cancel it.
 
     The generator runs in the caller's task, so a deadline's cancellation lands inside
     it, and vLLM's unary path swallows it (it returns its 400 "Client disconnected"

@@ -197,7 +197,7 @@ def check_extensions(body: dict[str, Any], allow_beam_search: bool) -> None:
     ``priority``, which is the server's."""
     if body.get("use_beam_search") is True and not allow_beam_search:
         raise APIError(400, "use_beam_search is off on this server", param="use_beam_search")
-    if body.get("priority", 0) != 0:  # (vLLM's field; the server sets it: serve_app.front_door.capacity)
+    if body.get("priority", 0) != 0:  # (vLLM's field; the server sets it: serve_app.front_door.admission.capacity)
         raise APIError(
             400,
             "priority is set by this server (each API key's waiting requests go by how many it holds); omit it",

@@ -1,0 +1,9 @@
+"""The answer log: stored responses and the event logs of answers generated detached, kept where
+every replica reads them. It knows neither the engine nor gRPC.
+
+:mod:`.store` is what a store keeps and the contract both stores meet; :mod:`.memory_store`
+(one replica) and :mod:`.redis_store` (any number) keep it; :mod:`.history` turns a
+``previous_response_id`` into input items.
+
+Runs in each model replica (its front door).
+"""
