@@ -53,7 +53,8 @@ def build_app(args: dict[str, Any]) -> Application:
     (model,) = config.models
     if config.ingress.applies_fair_share:
         model = model.with_priority_scheduling()
-    model_server = serve.deployment(**model_server_options(model, config.ingress.request_timeout_s))(MODEL_SERVER)
+    options = model_server_options(model, config.ingress.request_timeout_s, config.ingress.open_calls)
+    model_server = serve.deployment(**options)(MODEL_SERVER)
     if not haproxy_enabled():
         logger.warning(
             "Serve's HAProxy is off (RAY_SERVE_ENABLE_HA_PROXY=1, deploy/cluster.env): "

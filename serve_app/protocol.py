@@ -23,7 +23,7 @@ from typing import Protocol, cast
 
 from pydantic import BaseModel
 
-from serve_app.errors import error_body, status_of
+from serve_app.errors import APIError, error_body, status_of
 
 DONE_EVENT = "data: [DONE]\n\n"
 ERROR_EVENT_PREFIX = 'data: {"error"'
@@ -141,8 +141,8 @@ def is_error_event(chunk: str) -> bool:
     return chunk.startswith(ERROR_EVENT_PREFIX)
 
 
-def trailing_error(chunk: str) -> tuple[int, str | None] | None:
-    """The status and code of an error event ending ``chunk`` (chunks are joined events), else None.
+def trailing_error(chunk: str) -> APIError | None:
+    """The error an error event ending ``chunk`` reports (chunks are joined events), else None.
 
     An error event is always a stream's last event (the replica's
     :func:`serve_app.engine.stream_transforms.end_on_error_event`),
@@ -156,6 +156,7 @@ def trailing_error(chunk: str) -> tuple[int, str | None] | None:
         return None
     try:
         error = json.loads(chunk[at + len("data: ") :])["error"]
-        return status_of(error.get("type")), error.get("code")
+        message = str(error.get("message") or "the answer failed")
+        return APIError(status_of(error.get("type")), message, error.get("param"), error.get("code"))
     except (ValueError, KeyError, TypeError, AttributeError):
-        return 500, None
+        return APIError(500, "the answer failed", code=None)

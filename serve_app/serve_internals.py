@@ -56,6 +56,13 @@ REQUEST_HEADERS_FIELD = "request_headers"
 # Ray's request router that sends every call with one session id to the same replica (consistent
 # hashing over the running replicas; experimental in Ray 2.60): the RateLimiter's, keyed by API key.
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"
+# The metric a replica reports to Serve's autoscaling as its running requests (Serve's own key,
+# ray.serve._private.common.RUNNING_REQUESTS_KEY). A replica's custom autoscaling metrics
+# (``record_autoscaling_stats``) are merged over Serve's own count of ongoing requests
+# (ray/serve/_private/replica.py, ``_add_autoscaling_metrics_point_async``), so a model replica
+# that reports this key is counted by its answers, whatever its calls; Serve's default
+# queue-length policy then reads it as it reads its own count (docs/architecture.md, record 27).
+AUTOSCALING_COUNT = "running_requests"
 # A routing-only keyword (never sent to a replica): the replica the ReplicaPicker named for a
 # request another replica received (:func:`picked_replica`).
 PICKED_REPLICA = "_picked_replica"

@@ -16,12 +16,12 @@ from serve_app.config.ingress import (
     CORSConfig,
     GRPCStreamConfig,
     IngressConfig,
+    OpenCallsConfig,
     PromptLogprobsConfig,
     RateLimitsConfig,
-    RedisStoreConfig,
-    ResponsesStoreConfig,
 )
 from serve_app.config.models import ModelConfig, SimulatedEngineConfig, sized_for
+from serve_app.config.responses_store import RedisStoreConfig, ResponsesStoreConfig
 
 __all__ = [
     "APIKeysConfig",
@@ -29,6 +29,7 @@ __all__ = [
     "CORSConfig",
     "ConfigError",
     "GRPCStreamConfig",
+    "OpenCallsConfig",
     "IngressConfig",
     "RedisStoreConfig",
     "ResponsesStoreConfig",

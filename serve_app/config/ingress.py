@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.config.base import StrictModel
 from serve_app.config.checks import validate_deployment_options
+from serve_app.config.responses_store import ResponsesStoreConfig
 
 # Keys of the relay path (an ingress deployment relaying answers), retired: a config that sets one is refused.
 RETIRED_INGRESS_KEYS = ("direct_streaming", "deployment")
@@ -112,77 +113,22 @@ class PromptLogprobsConfig(StrictModel):
     )
 
 
-class RedisStoreConfig(StrictModel):
-    """The Redis that holds stored responses and background answers' event logs for every replica.
+class OpenCallsConfig(StrictModel):
+    """Calls that stay open without generating: gRPC Stream and Resume calls, and HTTP GETs (and background
+    POSTs with stream) that follow an answer's events. Each holds one place of these for as long as it is
+    open, apart from generation's places: an idle call never takes a place from generation or /health."""
 
-    Read in each replica from its environment (a Kubernetes Secret fills it): a replica whose
-    variable is unset does not start, so a configured store never silently means none.
-    """
-
-    url_env: str = Field(
-        default="RESPONSES_STORE_URL",
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Name of an environment variable holding the Redis URL, redis://host:port/db (with "
-        "sentinel_master set: a Sentinel's URL, redis://host:26379).",
-    )
-    password_env: str | None = Field(
-        default="RESPONSES_STORE_PASSWORD",
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Name of an environment variable holding Redis's password (and the Sentinels'); null: none, "
-        "or password_file.",
-    )
-    password_file: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Path of a file holding Redis's password (a mounted Secret), read as the replica starts; "
-        "set password_env to null with it.",
-    )
-    sentinel_master: str | None = Field(
-        default=None,
-        min_length=1,
-        description="The name the Sentinels know the primary by: the URL names a Sentinel, which is asked for "
-        "the primary and, after a failover, for the new one.",
-    )
-
-    @model_validator(mode="after")
-    def _one_password(self) -> RedisStoreConfig:
-        if self.password_env is not None and self.password_file is not None:
-            raise ValueError("set at most one of 'password_env' and 'password_file'")
-        return self
-
-
-class ResponsesStoreConfig(StrictModel):
-    """Where the Responses API keeps stored responses (``store``, ``previous_response_id``, ``GET
-    /v1/responses/{id}``) and background answers' event logs (docs/api-behaviour.md, "Where answers live")."""
-
-    redis: RedisStoreConfig | None = Field(
-        default=None,
-        description="Unset: each replica keeps them in its own memory, which only a model deployment of one "
-        "replica may do (the config is refused otherwise: a GET could reach a replica that holds nothing).",
-    )
-    ttl_s: float = Field(
-        default=86_400.0,
-        gt=0,
-        description="How long a stored response and its event log are kept after they last changed (a "
-        "background answer being generated is kept while its replica renews its lease).",
+    max_per_replica: int = Field(
+        default=256,
+        ge=1,
+        description="Open calls one model replica holds; past it, 429 open_call_limit (gRPC "
+        "RESOURCE_EXHAUSTED). Serve's max_ongoing_requests of the replica is raised by as much.",
     )
     max_per_key: int = Field(
-        default=1000,
+        default=32,
         ge=1,
-        description="Most stored responses one API key (or, without keys, all clients together) keeps; "
-        "a new one past it removes the key's oldest.",
-    )
-    max_background_per_replica: int = Field(
-        default=64,
-        ge=1,
-        description="Most background answers one replica generates at once; past it, 429. They are counted "
-        "apart from Serve's max_ongoing_requests, which counts connections.",
-    )
-    lease_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="A background answer's replica renews its lease every third of this; a reader that finds "
-        "the lease lapsed ends the answer failed, with an error event every reader sees.",
+        description="Open calls one API key (or, without keys, all clients together) holds on one replica; "
+        "past it, 429 open_call_limit.",
     )
 
 
@@ -199,6 +145,12 @@ class GRPCStreamConfig(StrictModel):
         gt=0,
         description="Responses one Stream call holds for a client that reads slower than they come; past it, its "
         "requests wait to write (and the call stops reading new ones) until the client reads.",
+    )
+    idle_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A Stream call with no request running and no message from its client for this long is "
+        "ended (status UNAVAILABLE, details naming the idle time): open a new call for more requests.",
     )
 
 
@@ -331,6 +283,11 @@ class IngressConfig(StrictModel):
     grpc_stream: GRPCStreamConfig = Field(
         default_factory=GRPCStreamConfig,
         description="Bounds of each multiplexed gRPC call (Generation/Stream).",
+    )
+    open_calls: OpenCallsConfig = Field(
+        default_factory=OpenCallsConfig,
+        description="Bounds of calls that stay open without generating (Stream and Resume calls, GETs that "
+        "follow an answer).",
     )
     request_timeout_s: float = Field(
         default=600.0,

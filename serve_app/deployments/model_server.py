@@ -17,7 +17,6 @@ gRPC methods (named as the RPCs) to the gRPC door, the engine's methods (``chat`
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -28,17 +27,23 @@ from starlette.applications import Starlette
 
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.engine.server import EngineServer
+from serve_app.front_door.admission.auth import load_api_keys
 from serve_app.front_door.admission.capacity import FairShare, GenerationSlots
 from serve_app.front_door.admission.endpoints import default_endpoints
 from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.pipeline import BodyRules
+from serve_app.front_door.admission.rate_limits import KeyLimits, LimiterHandle
 from serve_app.front_door.admission.settings import ingress_settings
+from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.local_engine import LocalModel, PrefixRoute
 from serve_app.front_door.core.readiness import ReadinessWatch
+from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService, GRPCContext
 from serve_app.front_door.http_api.app import build_http_app
+from serve_app.front_door.telemetry.metrics import ServingMetrics
 from serve_app.protocol import Answer
-from serve_app.serve_internals import ignore_client_control_headers, replica_states
+from serve_app.serve_internals import AUTOSCALING_COUNT, ignore_client_control_headers, replica_states
 
 
 def generation_slots(model: ModelConfig, config: AppConfig) -> GenerationSlots | None:
@@ -48,6 +53,31 @@ def generation_slots(model: ModelConfig, config: AppConfig) -> GenerationSlots |
         return None
     fair = FairShare.for_replica(limit, model.runs_at_once()) if config.ingress.applies_fair_share else None
     return GenerationSlots(limit, model.name, fair)
+
+
+def key_limits(config: AppConfig, rate_limiter: LimiterHandle | None) -> KeyLimits | None:
+    """The front door's side of the per-key limits (None: no rate limits configured)."""
+    limits = config.ingress.rate_limits
+    if limits is None or rate_limiter is None:
+        return None
+    return KeyLimits(
+        rate_limiter,
+        counts_tokens=limits.tokens_per_minute is not None,
+        max_concurrent=limits.max_concurrent_requests,
+    )
+
+
+def front_door(models: ModelCatalog[Any], model: ModelConfig, config: AppConfig, limiter: Any) -> FrontDoor:
+    """This replica's front door core: the ingress section's settings and the services that apply them,
+    read here, in the replica (the environment, or a mounted file, is the node's, not the deployer's)."""
+    rules = BodyRules(ingress_settings(config), models, key_limits(config, limiter))
+    return FrontDoor(
+        rules,
+        api_keys=load_api_keys(config.ingress.api_keys),
+        slots=generation_slots(model, config),
+        metrics=ServingMetrics([m.name for m in config.models], [e.method for e in default_endpoints()]),
+        stored=StoredResponses.from_config(config.ingress.responses_store),
+    )
 
 
 @serve.ingress()
@@ -91,18 +121,24 @@ class ModelServer:
                 )
             }
         )
-        slots = generation_slots(model, config)
-        self.settings = replace(ingress_settings(config, rate_limiter), generation_slots=slots)
+        self.core = front_door(self.models, model, config, rate_limiter)
         self.readiness = ReadinessWatch(
             partial(replica_states, context.app_name, (model.deployment_name,)),
             {model.name: model.deployment_name},
             max_age_s=config.ingress.health_max_age_s,
             engine_serves=lambda: not self.engine.watch.failed,
         )
-        self.grpc = GenerationService(self.models, self.settings, default_endpoints(), self.readiness)
+        self.grpc = GenerationService(self.core, default_endpoints(), self.readiness)
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        return build_http_app(self.models, self.settings, self.readiness)
+        return build_http_app(self.core, self.readiness)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaling counts for this replica: the answers it runs and queues (each
+        request on a Stream call, each background answer, running or waiting), in place of the calls
+        Serve sees (a Stream call counts as one; a background answer as none). A plain request counts
+        one from its arrival to its end, as Serve counts it."""
+        return {AUTOSCALING_COUNT: float(self.core.answers())}
 
     # The gRPC API (glm4serve.v1.Generation, grpc.health.v1.Health): Serve calls the method named as the RPC.
 
@@ -171,9 +207,9 @@ class ModelServer:
         return await self.engine.engine_load()
 
     async def __del__(self) -> None:  # Serve is stopping this replica, its requests drained
-        settings = getattr(self, "settings", None)
-        if settings is not None and settings.stored_responses is not None:
-            await settings.stored_responses.background.drain()  # (within graceful_shutdown_timeout_s)
+        core = getattr(self, "core", None)
+        if core is not None and core.stored is not None:
+            await core.stored.background.drain()  # (within graceful_shutdown_timeout_s)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()

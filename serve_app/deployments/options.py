@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import ModelConfig, RateLimitsConfig
+from serve_app.config import ModelConfig, OpenCallsConfig, RateLimitsConfig
 from serve_app.serve_internals import CONSISTENT_HASH_ROUTER
 
 # The classes Serve imports in the processes that run them.
@@ -58,17 +58,22 @@ def model_options(model: ModelConfig, longest_answer_s: float | None = None) -> 
     return options
 
 
-def model_server_options(model: ModelConfig, longest_answer_s: float | None = None) -> dict[str, Any]:
+def model_server_options(
+    model: ModelConfig, longest_answer_s: float | None = None, open_calls: OpenCallsConfig | None = None
+) -> dict[str, Any]:
     """Deployment options of the model replicas, which answer clients themselves.
 
     Serve's per-replica limit would hold ``/health`` and ``/v1/models`` behind
-    generation, so it is raised by :data:`DIRECT_REQUESTS_HEADROOM` past the model's
-    ``generation_limit``, which the replica's front door enforces itself
-    (:mod:`serve_app.front_door.admission.capacity`); the engine queues past its batch.
+    generation and behind calls that stay open, so it is raised past the model's
+    ``generation_limit`` and the open calls' ``max_per_replica``, which the replica's front door
+    enforces itself (:mod:`serve_app.front_door.admission.capacity`,
+    :mod:`serve_app.front_door.admission.open_calls`), by :data:`DIRECT_REQUESTS_HEADROOM` more;
+    the engine queues past its batch.
     """
     options = model_options(model, longest_answer_s)
     limit = model.generation_limit()
-    options["max_ongoing_requests"] = (limit or options["max_ongoing_requests"]) + DIRECT_REQUESTS_HEADROOM
+    held_open = (open_calls or OpenCallsConfig()).max_per_replica
+    options["max_ongoing_requests"] = (limit or options["max_ongoing_requests"]) + held_open + DIRECT_REQUESTS_HEADROOM
     options.pop("max_queued_requests", None)
     return {"name": model.deployment_name, **MODEL_HEALTH_CHECKS, **options}
 

@@ -102,3 +102,20 @@ def test_serves_direct_ingress_reads_the_two_client_headers_the_replicas_ignore_
     )
     assert replica.parse_disconnect_disabled_header is http_util.parse_disconnect_disabled_header
     assert replica.parse_request_timeout_header is http_util.parse_request_timeout_header
+
+
+def test_a_replicas_custom_autoscaling_metrics_replace_serves_own_count_of_its_running_requests() -> None:
+    """The model replica reports its answers under Serve's own key (AUTOSCALING_COUNT): Serve merges
+    a replica's ``record_autoscaling_stats`` over its count of ongoing requests, collected from the
+    replicas of a direct-ingress deployment, and its default policy reads that key."""
+    from ray.serve._private import autoscaling_state
+    from ray.serve._private.common import RUNNING_REQUESTS_KEY
+    from ray.serve._private.replica import ReplicaMetricsManager
+
+    assert serve_internals.AUTOSCALING_COUNT == RUNNING_REQUESTS_KEY
+    merge = inspect.getsource(ReplicaMetricsManager._add_autoscaling_metrics_point_async)
+    assert merge.index("RUNNING_REQUESTS_KEY: self._num_ongoing_requests") < merge.index("update(custom_metrics)")
+    assert "self._is_direct_ingress and self._autoscaling_config" in inspect.getsource(
+        ReplicaMetricsManager.should_collect_ongoing_requests
+    )
+    assert "RUNNING_REQUESTS_KEY in replica_metric_report.metrics" in inspect.getsource(autoscaling_state)

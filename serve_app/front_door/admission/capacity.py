@@ -38,11 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from serve_app.errors import APIError, overloaded
-from serve_app.front_door.admission.auth import KEY_ID_SCOPE_KEY
-from serve_app.front_door.admission.route_path import route_path
 from serve_app.front_door.telemetry.record import RequestRecord
 
 
@@ -212,40 +208,3 @@ def fair_share_exceeded(why: str) -> APIError:
         code="fair_share_exceeded",
         headers={"Retry-After": "1"},
     )
-
-
-SLOT_HOLD_SCOPE_KEY = "slot_hold"  # where the middleware leaves a request's SlotHold: request.state.slot_hold
-
-
-class GenerationCapacity:
-    """ASGI middleware: each generation request (a POST to one of ``paths``) holds a place of
-    ``slots`` from its arrival (more once the route reads how many sequences it starts)."""
-
-    def __init__(self, app: ASGIApp, slots: GenerationSlots, paths: frozenset[str]) -> None:
-        self.app = app
-        self.slots = slots
-        self.paths = paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in self.paths:
-            await self.app(scope, receive, send)
-            return
-        state = scope.get("state") or {}
-        record = state.get("record")  # ObserveRequests's, outside this middleware
-        key_id = state.get(KEY_ID_SCOPE_KEY)  # APIKeyMiddleware's, outside this one
-        try:
-            hold = SlotHold(self.slots, key_id, self.slots.take(record, key_id))
-        except APIError as refusal:
-            await _refuse(send, refusal)
-            return
-        try:  # (a fresh state mapping, as APIKeyMiddleware's)
-            await self.app(dict(scope, state=dict(state, **{SLOT_HOLD_SCOPE_KEY: hold})), receive, send)
-        finally:
-            hold.give_back()
-
-
-async def _refuse(send: Send, error: APIError) -> None:
-    headers = [(b"content-type", b"application/json")]
-    headers += [(name.lower().encode(), value.encode()) for name, value in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": error.to_json()})

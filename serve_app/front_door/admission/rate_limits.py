@@ -3,7 +3,8 @@
 The counts live in one deployment (:class:`serve_app.deployments.rate_limiter.RateLimiter`,
 shared by every model replica; each key's in one of its replicas). A key's requests under way
 at once are leases: the front door takes one as it admits a request and gives it back when the
-request's record ends (every request ends one, whatever became of it). A lease lasts
+request's answer ends (its :class:`~serve_app.front_door.core.permit.Permit` closes, whatever became
+of it; a background answer's permit lives as long as the answer). A lease lasts
 :data:`LEASE_S` at the limiter and is renewed while its request runs, so a place never given back
 (a replica that died, a release lost, an admission the limiter answered after the front door had
 stopped waiting) is held at most that long after its request.
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from serve_app.errors import APIError
-from serve_app.front_door.telemetry.record import KeyLease, RequestRecord
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,6 +39,15 @@ CONCURRENT_RETRY_S = 1.0  # a request of the key may end any moment
 
 
 @dataclass(frozen=True)
+class KeyLease:
+    """A request's place among its key's requests at once: in this replica's count, and at the limiter."""
+
+    key_id: str
+    lease_id: str
+    at_limiter: bool  # False: the limiter did not answer in time (held by this replica's count; it may hold it too)
+
+
+@dataclass(frozen=True)
 class Decision:
     """Whether a request may go ahead; if not, which limit stops it and for how long."""
 
@@ -47,10 +56,16 @@ class Decision:
     retry_after_s: float = 0.0
 
 
+class AtKeyCap(APIError):
+    """The 429 of a key holding its ``max_concurrent_requests`` already: a background answer waits
+    for a place instead (:mod:`serve_app.front_door.core.background`)."""
+
+
 def rate_limited(decision: Decision) -> APIError:
     """The 429 for a refused request; ``Retry-After`` in whole seconds, at least one."""
     seconds = max(1, math.ceil(decision.retry_after_s))
-    return APIError(
+    refusal = AtKeyCap if decision.limit == CONCURRENT else APIError
+    return refusal(
         429,
         f"rate limit reached: this API key's {decision.limit}; retry after {seconds} s",
         code="rate_limit_exceeded",
@@ -148,14 +163,8 @@ class KeyLimits:
             for key_id, lease_ids in list(self.leases.items()):
                 self._call("renew", key_id, sorted(lease_ids), self.lease_s)
 
-    def request_ended(self, record: RequestRecord) -> None:
-        """An observer of every request's end (see :func:`serve_app.front_door.telemetry.record.end_record`)."""
-        if record.key_lease is not None:
-            self.ended(record.key_lease)
-            record.key_lease = None
-
     def charge(self, key_id: str, tokens: int) -> None:
-        """Report the tokens an answer used, without making the answer wait."""
+        """Report tokens an answer made, without making the answer wait."""
         if tokens > 0:
             self._call("charge", key_id, tokens)
 

@@ -1,12 +1,18 @@
-"""Background answers: generated detached from the connection that asked, logged event by event
-where any replica's reader follows them (:func:`follow`), stopped by a cancel from any replica.
+"""Background answers: generated detached from the request that asked, logged event by event where
+any replica's reader follows them (:mod:`serve_app.front_door.answer_log.follow`), stopped by a
+cancel from any replica, and held to the same places as any request for their whole life.
 
-:class:`BackgroundAnswers` is the replica's set of the answers it generates: each runs as a task
-(:func:`produce`), their leases renewed together while the replica lives, and the replica
-listens for cancels (the store's :meth:`~.store.ResponseStore.cancel_requests`). A reader that
-finds an answer's log quiet and its lease lapsed (its replica died) ends it: a ``failed``
-response and an ``error`` event, written once whoever writes it first (a sequence number is
-taken once).
+:class:`BackgroundAnswers` is the replica's set of the answers it generates or queues (Responses
+API ``background``, gRPC ``store``): each runs as a task, their leases in the answer log renewed
+together while the replica lives, and the replica listens for cancels. An answer whose request
+was admitted with its key's place takes the request's permit over (its replica places, its key's
+lease, its tokens charged as they are made) and gives it back when it ends. Past its key's
+``max_concurrent_requests`` it is kept ``queued`` and waits, in the order it came, until a place
+of its key and of the replica are free (:meth:`BackgroundAnswers.places_freed` on every place
+given back here; every second for places freed elsewhere); then it takes them and its fair-share
+rank. At most ``max_waiting_per_key`` of one key wait per replica (429 ``background_queue_full``
+past it), and at most ``limit`` answers run or wait (429 ``background_limit``); both counts are
+taken before anything is awaited, so a burst cannot pass them.
 
 Runs in each model replica.
 """
@@ -17,74 +23,159 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import aclosing
 from typing import Any
 
-from serve_app.errors import APIError, responses_error_event
-from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, next_before
-from serve_app.front_door.answer_log.store import (
-    ResponseStore,
-    StoredResponse,
-    event_response,
-    event_type,
-    is_terminal,
-    split_events,
-)
-from serve_app.front_door.core.generation import Model, TokenCounter, call_replica, replica_failure, settle_reply
-from serve_app.front_door.telemetry.record import RequestRecord
-from serve_app.protocol import GenerationRequest, Outcome, Reply
+from serve_app.errors import APIError
+from serve_app.front_door.admission.deadlines import Deadline, TimeLimits
+from serve_app.front_door.answer_log.follow import CANCELLED, REPLICA_STOPPED, Failure, finish
+from serve_app.front_door.answer_log.store import ResponseStore, event_response, event_type, is_terminal, split_events
+from serve_app.front_door.core.generation import Generation
+from serve_app.front_door.core.permit import Permit
 
 logger = logging.getLogger("ray.serve")
 
-CANCELLED = (499, "the response was cancelled", "response_cancelled")
-REPLICA_LOST = (
-    503,
-    "the replica generating this response stopped before it ended; send the request again",
-    "replica_lost",
-)
 LISTEN_RETRY_S = 1.0  # after the cancel listener lost its store
+WAIT_RETRY_S = 1.0  # a waiting answer asks again this often (a place freed on another replica tells nobody here)
+
+PermitSource = Callable[[str | None, int], Awaitable[Permit]]  # a key's places now, or the 429 of the one not free
+GetPermit = Callable[[], Awaitable[Permit]]  # an answer's permit: at once, or once it waited for one
+Produce = Callable[[GetPermit], Coroutine[Any, Any, None]]  # an answer's generation, given how to get its permit
 
 
 class BackgroundAnswers:
-    """The background answers this replica generates: at most ``limit`` at once (429 past it)."""
+    """The background answers this replica generates or queues (see the module's docstring)."""
 
-    def __init__(self, store: ResponseStore, limit: int, lease_s: float) -> None:
+    def __init__(self, store: ResponseStore, limit: int, lease_s: float, max_waiting_per_key: int = 0) -> None:
         self.store = store
         self.limit = limit
         self.lease_s = lease_s
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.max_waiting_per_key = max_waiting_per_key
+        self.permits: PermitSource | None = None  # the core's (FrontDoor.permit_now)
+        self._tasks: dict[str, asyncio.Task[None] | None] = {}  # (None: taken, being kept)
+        self._waiting: Counter[str] = Counter()  # answers waiting for places, by key
+        self._turns: dict[str, asyncio.Lock] = {}  # each key's waiting answers, served in the order they came
+        self._freed = asyncio.Event()
         self._helpers: list[asyncio.Task[None]] = []
+        self._stopping = False
 
-    async def run(self, response_id: str, answer: Coroutine[Any, Any, None], keep: Coroutine[Any, Any, None]) -> None:
-        """Start generating ``answer`` (:func:`produce`) once ``keep`` kept its response, leased
-        from before it is kept (a reader never finds it kept and unleased while it starts)."""
-        if len(self._tasks) >= self.limit:
-            answer.close()
+    @property
+    def waiting(self) -> int:
+        return sum(self._waiting.values())
+
+    async def start(
+        self,
+        answer_id: str,
+        key_id: str | None,
+        permit: Permit | None,
+        sequences: int,
+        keep: Coroutine[Any, Any, None],
+        produce: Produce,
+    ) -> None:
+        """Keep the answer (``keep``: its object, ``queued``) and start generating it (``produce``)
+        under ``permit`` (taken over), or with none (its key was at its cap), once it has waited for
+        one. Leased before it is kept: a reader never finds it kept and unleased while it starts."""
+        key = key_id or ""
+        try:
+            if self._stopping:
+                raise replica_stopped()
+            if len(self._tasks) >= self.limit:
+                raise APIError(
+                    429,
+                    f"this replica holds {self.limit} background responses already; retry shortly",
+                    code="background_limit",
+                    headers={"Retry-After": "1"},
+                )
+            if permit is None and self._waiting[key] >= self.max_waiting_per_key:
+                raise APIError(
+                    429,
+                    f"this API key has {self._waiting[key]} background responses waiting for its place on this "
+                    "replica already (rate_limits.max_concurrent_requests runs at once); retry later",
+                    code="background_queue_full",
+                    headers={"Retry-After": "1"},
+                )
+        except APIError:
             keep.close()
-            raise APIError(
-                429,
-                f"this replica generates {self.limit} background responses already; retry shortly",
-                code="background_limit",
-                headers={"Retry-After": "1"},
-            )
+            raise
+        held = permit.hand_over() if permit is not None else None
+        self._tasks[answer_id] = None  # (taken now: the bounds above hold however many come at once)
+        if held is None:
+            self._waiting[key] += 1
         if not self._helpers:
             self._helpers = [asyncio.create_task(self._renew()), asyncio.create_task(self._listen())]
-        await self.store.renew_lease([response_id], self.lease_s)
         try:
+            await self.store.renew_lease([answer_id], self.lease_s)
             await keep
         except BaseException:
-            answer.close()
+            self._forget(answer_id, key, waiting=held is None)
+            if held is not None:
+                held.close()
             raise
-        task = asyncio.create_task(answer, name=f"background {response_id}")
-        self._tasks[response_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+        task = asyncio.create_task(self._run(key, held, sequences, produce), name=f"background {answer_id}")
+        self._tasks[answer_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(answer_id, None))
 
-    async def cancel(self, response_id: str) -> None:
+    async def _run(self, key: str, permit: Permit | None, sequences: int, produce: Produce) -> None:
+        taken: list[Permit] = [permit] if permit is not None else []
+
+        async def get_permit() -> Permit:
+            if not taken:
+                try:
+                    taken.append(await self._wait_for_places(key, sequences))
+                finally:
+                    self._forget_waiting(key)
+            return taken[0]
+
+        try:
+            await produce(get_permit)
+        finally:
+            for held in taken:
+                held.close()
+
+    async def _wait_for_places(self, key: str, sequences: int) -> Permit:
+        assert self.permits is not None, "the core gives its permits"
+        turn = self._turns.setdefault(key, asyncio.Lock())
+        async with turn:  # (asyncio's lock wakes its waiters in the order they came)
+            while True:
+                if self._stopping:
+                    raise replica_stopped()
+                freed = self._freed
+                try:
+                    return await self.permits(key or None, sequences)
+                except APIError as refused:
+                    if refused.status != 429:
+                        raise
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(WAIT_RETRY_S):  # (not wait_for: it can swallow a cancel in 3.11)
+                        await freed.wait()
+
+    def places_freed(self) -> None:
+        """A place was given back here: the waiting answers ask again."""
+        if self.waiting:
+            self._freed.set()
+            self._freed = asyncio.Event()
+
+    def _forget_waiting(self, key: str) -> None:
+        self._waiting[key] -= 1
+        if not self._waiting[key]:
+            del self._waiting[key]
+            turn = self._turns.get(key)
+            if turn is not None and not turn.locked():
+                del self._turns[key]
+
+    def _forget(self, answer_id: str, key: str, waiting: bool) -> None:
+        self._tasks.pop(answer_id, None)
+        if waiting:
+            self._forget_waiting(key)
+
+    async def cancel(self, answer_id: str) -> None:
         """Stop the answer here if this replica generates it, else ask the one that does."""
-        if (task := self._tasks.get(response_id)) is not None:
+        if (task := self._tasks.get(answer_id)) is not None:
             task.cancel()
         else:
-            await self.store.request_cancel(response_id)
+            await self.store.request_cancel(answer_id)
 
     async def _renew(self) -> None:
         while True:
@@ -96,41 +187,50 @@ class BackgroundAnswers:
     async def _listen(self) -> None:
         while True:
             try:
-                async for response_id in self.store.cancel_requests():
-                    if (task := self._tasks.get(response_id)) is not None:
+                async for answer_id in self.store.cancel_requests():
+                    if (task := self._tasks.get(answer_id)) is not None:
                         task.cancel()
             except Exception:
                 logger.warning("the cancel listener lost the response store; listening again", exc_info=True)
             await asyncio.sleep(LISTEN_RETRY_S)
 
     async def drain(self) -> None:
-        """Wait for every answer under way here to end (the replica is stopping: Serve drained its
-        requests, and a background answer is none of them), leases renewed meanwhile."""
-        if self._tasks:
-            logger.info("waiting for %d background responses to end before the replica stops", len(self._tasks))
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        """The replica is stopping (Serve drained its requests, and a background answer is none of
+        them): answers still waiting for their places end ``replica_stopped`` (503, sent again they run
+        elsewhere); those under way run to their end, their leases renewed meanwhile."""
+        self._stopping = True
+        self._freed.set()  # (the waiting answers look again, and end)
+        tasks = [task for task in self._tasks.values() if task is not None]
+        if tasks:
+            logger.info("waiting for %d background responses to end before the replica stops", len(tasks))
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
         for task in [*self._helpers, *self._tasks.values()]:
-            task.cancel()
+            if task is not None:
+                task.cancel()
 
 
-async def produce(
+def replica_stopped() -> APIError:
+    """The end of an answer still waiting for its places when its replica stops (or taken by one stopping)."""
+    status, message, code = REPLICA_STOPPED
+    return APIError(status, message, code=code, headers={"Retry-After": "1"})
+
+
+async def produce_response(
     store: ResponseStore,
     response: dict[str, Any],
-    model: Model,
-    payload: GenerationRequest,
-    deadline: Deadline,
-    on_tokens: TokenCounter | None,
-    retry_s: float = 0.0,
+    get_permit: GetPermit,
+    generation_for: Callable[[Permit, Deadline], Generation],
+    time_limits: TimeLimits,
 ) -> None:
-    """Generate a background answer, appending each event to its log, and keep its final object
-    (``retry_s``: as long as a request no replica started is sent again, as for any request)."""
+    """Generate a Responses API background answer once it has its permit, appending each event to its
+    log under its sequence number, and keep its final object (``failed`` with the error that ended it)."""
     response_id = str(response["id"])
-    record = RequestRecord("responses", request_id=response_id, stream=True)
     written = 0
     final: dict[str, Any] | None = None
-    failure: tuple[int, str, str | None] | None = None
+    failure: Failure | None = None
+    error_logged = False
 
     async def log(event: str) -> None:
         nonlocal written, final
@@ -141,98 +241,27 @@ async def produce(
         if is_terminal(event) and event_type(event) != "error":
             final = event_response(event)
 
-    rest = None
+    generation: Generation | None = None
     try:
-        first, rest = await call_replica(model, "responses", payload, deadline, record, retry_s)
-        if isinstance(first, Reply):  # refused before it began
-            settle_reply(first, record, on_tokens)
+        permit = await get_permit()
+        generation = generation_for(permit, Deadline.start(time_limits))  # (its time runs from here)
+        first = await generation.start()
+        if not isinstance(first, str):  # refused before it began
             error = json.loads(first.body).get("error") or {}
             failure = (first.status, str(error.get("message", "")), error.get("code"))
         else:
-            assert isinstance(first, str)
-            for event in split_events(first):
-                await log(event)
-            while True:
-                try:
-                    chunk = await next_before(rest, deadline.end_at)
-                except StopAsyncIteration:
-                    break
-                if isinstance(chunk, Outcome):
-                    record.outcome = chunk
-                elif isinstance(chunk, str):
-                    for event in split_events(chunk):
+            async with aclosing(generation.chunks()) as chunks:
+                async for chunk in chunks:
+                    for event in split_events(chunk if isinstance(chunk, str) else chunk.decode()):
                         await log(event)
+            if generation.error is not None:
+                failure, error_logged = (generation.error.status, generation.error.message, generation.error.code), True
     except asyncio.CancelledError:
         failure = CANCELLED
-    except DeadlineExceeded:
-        expired = deadline.expired()
-        failure = (expired.status, expired.message, expired.code)
     except APIError as error:
         failure = (error.status, error.message, error.code)
-    except Exception as exc:
-        lost = replica_failure(exc)
-        failure = (lost.status, lost.message, lost.code)
     finally:
-        if rest is not None:
-            rest.cancel()
-    if on_tokens is not None and record.outcome is not None:
-        on_tokens(record.outcome.total_tokens)
-    await finish(store, response, written, final, failure)
+        if generation is not None:
+            await generation.aclose()
+    await finish(store, response, written, final, failure, error_logged)
     logger.info("background response %s ended %s", response_id, (final or {}).get("status") or failure)
-
-
-async def finish(
-    store: ResponseStore,
-    response: dict[str, Any],
-    written: int,
-    final: dict[str, Any] | None,
-    failure: tuple[int, str, str | None] | None,
-) -> bool:
-    """End an answer's log and keep its last object: ``final`` (the answer's own end) or, on a
-    ``failure``, an error event and a ``failed`` (``cancelled``) object. False when another
-    writer ended it first."""
-    if final is not None and failure is None:
-        await store.update(str(response["id"]), final)
-        return True
-    status, message, code = failure or (500, "the answer ended without its final event", "internal_error")
-    event = responses_error_event(status, message, code, written).decode()
-    if not await store.append(str(response["id"]), written, event):
-        return False
-    ended = "cancelled" if (status, message, code) == CANCELLED else "failed"
-    await store.update(str(response["id"]), response | {"status": ended, "error": {"code": code, "message": message}})
-    return True
-
-
-async def end_if_orphaned(store: ResponseStore, found: StoredResponse) -> StoredResponse:
-    """A background answer whose producer's lease lapsed (its replica died) ended here, ``failed``
-    with :data:`REPLICA_LOST`, as a reader would end it; the response as it is after."""
-    response_id = str(found.response["id"])
-    if found.finished or not found.background or await store.leased(response_id):
-        return found
-    await finish(store, found.response, len(await store.read(response_id, -1, 0)), None, REPLICA_LOST)
-    return await store.load(response_id, found.owner) or found
-
-
-async def follow(store: ResponseStore, response: dict[str, Any], after: int, wait_s: float) -> AsyncIterator[str]:
-    """A background answer's events after ``after``: those logged, then each as it is logged, to
-    the last. If the log is quiet for ``wait_s`` and its producer's lease has lapsed, the answer
-    is ended here (:data:`REPLICA_LOST`), once for every reader."""
-    response_id = str(response["id"])
-    while True:
-        events = await store.read(response_id, after, wait_s)
-        for number, event in events:
-            yield event
-            after = number
-            if is_terminal(event):
-                return
-        if events or await store.leased(response_id):
-            continue
-        if not await store.exists(response_id):  # it expired, or was deleted, while read
-            yield responses_error_event(410, "the response is no longer stored", "response_gone", after + 1).decode()
-            return
-        logged = await store.read(response_id, -1, 0)
-        if logged and is_terminal(logged[-1][1]):
-            if logged[-1][0] <= after:  # it ended at or before ``after``: nothing more comes
-                return
-            continue  # another reader ended it just now: read its end
-        await finish(store, response, len(logged), None, REPLICA_LOST)

@@ -1,13 +1,17 @@
-"""Calling the engine from the front door: one request, its retries, its deadlines, its stream.
+"""Generation: one answer of the engine, from its first item to its end, the same for every door.
 
-:func:`call_replica` sends a validated request to the model (:class:`Model`: this replica's
-engine, :mod:`serve_app.front_door.core.local_engine`) and waits for the answer to begin; :func:`relay` turns it
-into an HTTP response: a :class:`Reply` becomes a JSON response, a stream is
-written through as SSE (:func:`stream_sse`), bytes as they are, with a final
-error event if it fails after it started. (The gRPC service reads the same
-stream through :func:`stream_sse` too.) What is
-sent again, and what is never (:func:`may_have_reached_an_engine`), is decided
-here; what a failure looks like to a client is :func:`replica_failure`.
+:meth:`Generation.start` sends the admitted request to the model (:class:`Model`: this replica's
+engine, :mod:`serve_app.front_door.core.local_engine`) and waits for the answer to begin, under the
+first-token deadline and the rules of what is sent again (:func:`call_engine`). Its first item is
+a :class:`~serve_app.protocol.Reply` (a whole answer, or an error found before any token) or the
+first SSE chunk; :meth:`Generation.chunks` then yields the stream's chunks as they come, bytes as
+the engine framed them, and ends a stream that fails after it started with one error event in the
+door's form (``error_event``). The answer's :class:`~serve_app.protocol.Outcome` is read on the way
+and kept in the request's record; its tokens are charged to its key as they are made (at least
+every :data:`CHARGE_EVERY_S`) and settled at its end. :meth:`Generation.aclose` ends it whatever
+happened: it aborts the engine's request if it still runs, settles its tokens and closes its
+permit, once. Every door (HTTP, gRPC, background answers) reads its answers through this one
+class; what differs is only how each writes a chunk out.
 
 Runs in each model replica.
 """
@@ -16,25 +20,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator
+from typing import Protocol
 
 from ray.exceptions import TaskCancelledError
-from starlette.responses import Response, StreamingResponse
 
-from serve_app.errors import UNAVAILABLE, APIError, overloaded, responses_error_event, sse_error_event
+from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
 from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, next_before
+from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.telemetry.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
 from serve_app.protocol import Answer, GenerationRequest, Outcome, Reply, trailing_error
 
 logger = logging.getLogger("ray.serve")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
+CHARGE_EVERY_S = 5.0  # a long answer's tokens are charged to its key at least this often
 
 
-TokenCounter = Callable[[int], None]  # told the tokens an answer used, once it ends
-ErrorEvent = Callable[[int, str, str | None], bytes]  # a stream's final error event: status, message, code
+class ErrorEvent(Protocol):
+    """A stream's last event when it fails after it started, in its door's form: status, message,
+    code, and how many events the stream sent before it (a Responses stream's sequence number)."""
+
+    def __call__(self, status: int, message: str, code: str | None, sent: int) -> bytes: ...
+
+
+def chat_error_event(status: int, message: str, code: str | None, sent: int) -> bytes:
+    """Chat's and completions' error event (OpenAI's ``data: {"error": ...}``)."""
+    return sse_error_event(status, message, code)
 
 
 class AnswerStream(Protocol):
@@ -56,11 +69,121 @@ class Model(Protocol):
     ) -> AnswerStream: ...
 
 
-RETRY_INTERVAL_S = 0.5  # between attempts on an unavailable replica: long enough for a dead one to leave routing
+class Generation:
+    """One answer (see the module's docstring): :meth:`start`, then :meth:`chunks` of a stream;
+    :meth:`aclose` in every case. ``error``: what ended it in failure, once it did."""
+
+    def __init__(
+        self,
+        model: Model,
+        method: str,
+        payload: GenerationRequest,
+        deadline: Deadline,
+        record: RequestRecord,
+        permit: Permit,
+        retry_s: float = 0.0,
+        error_event: ErrorEvent = chat_error_event,
+    ) -> None:
+        self.model, self.method, self.payload = model, method, payload
+        self.deadline, self.record, self.permit = deadline, record, permit
+        self.retry_s = retry_s
+        self.error_event = error_event
+        self.error: APIError | None = None
+        self._first: Reply | str | None = None
+        self._rest: AnswerStream | None = None
+        self._events = 0  # events sent (each "data: " line)
+        self._ended = False
+        permit.answer_end = self._end
+
+    async def start(self) -> Reply | str:
+        """The answer's first item: a whole :class:`Reply` (the answer has ended: its tokens are
+        settled, its permit closed) or the first chunk of a stream. Raises the :class:`APIError` a
+        client gets when no answer began."""
+        try:
+            self._first, self._rest = await call_engine(
+                self.model, self.method, self.payload, self.deadline, self.record, self.retry_s
+            )
+        except BaseException:
+            self._end()
+            raise
+        if isinstance(self._first, Reply):
+            self.record.outcome = self._first.outcome
+            self.record.error_code = self._first.code
+            self._end()
+        return self._first
+
+    async def chunks(self) -> AsyncGenerator[str | bytes, None]:
+        """The stream's chunks from its first; a failure after the start becomes a final error event
+        (nothing follows it). Ends the generation when it ends, however it ends."""
+        first, rest = self._first, self._rest
+        assert isinstance(first, str) and rest is not None, "chunks() reads a stream that started"
+        record = self.record
+        charge_at = asyncio.get_running_loop().time() + CHARGE_EVERY_S
+        failed = False  # an error event was written: nothing follows it, only the Outcome is still read
+        try:
+            failed = self._ends_in_error(first)
+            yield first
+            self._events += first.count("data: ")
+            while True:
+                try:
+                    chunk = await next_before(rest, self.deadline.end_at)
+                except StopAsyncIteration:
+                    break
+                if isinstance(chunk, Outcome):
+                    record.outcome = chunk
+                    continue
+                if failed or not isinstance(chunk, str):
+                    continue
+                failed = self._ends_in_error(chunk)
+                yield chunk
+                self._events += chunk.count("data: ")
+                if self.permit.counts_tokens and (now := asyncio.get_running_loop().time()) >= charge_at:
+                    self.permit.charge(self._events - self.permit.charged)  # (tokens made so far, at least)
+                    charge_at = now + CHARGE_EVERY_S
+        except DeadlineExceeded:
+            if not failed:
+                yield self._fail(self.deadline.expired())
+        except TaskCancelledError:  # the client left; nobody reads an error event
+            pass
+        except Exception as exc:
+            # After the engine's own error event (its engine died, and the replica is leaving), the
+            # call's failure is the same event's consequence: one error per stream.
+            if not failed:
+                yield self._fail(call_failure(exc))
+        finally:
+            self._end()
+
+    async def aclose(self) -> None:
+        """End the answer: abort the engine's request if it still runs, settle its tokens, close its permit."""
+        self._end()
+
+    def _ends_in_error(self, chunk: str) -> bool:
+        error = trailing_error(chunk)
+        if error is None:
+            return False
+        self.record.failed(error.status, error.code)
+        self.error = error
+        return True
+
+    def _fail(self, error: APIError) -> bytes:
+        self.record.failed(error.status, error.code)
+        self.error = error
+        return self.error_event(error.status, error.message, error.code, self._events)
+
+    def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._rest is not None:
+            self._rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
+        outcome = self.record.outcome
+        self.permit.settle(outcome.total_tokens if outcome is not None else self._events)
+        self.permit.close()
 
 
-def replica_failure(exc: BaseException) -> APIError:
-    """Map a failure to reach or hear from a replica to the status a client should see."""
+def call_failure(exc: BaseException) -> APIError:
+    """Map a failure to reach or hear from a model replica (another one's, through Serve's handle)
+    to the status a client should see."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     from ray.serve.exceptions import (
         BackPressureError,
@@ -95,97 +218,7 @@ def may_have_reached_an_engine(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError | ReplicaUnavailableError)
 
 
-async def stream_sse(
-    first: str,
-    rest: Any,
-    deadline: Deadline,
-    record: RequestRecord,
-    on_tokens: TokenCounter | None = None,
-    error_event: ErrorEvent = sse_error_event,
-) -> AsyncGenerator[str | bytes, None]:
-    """Write a replica's SSE stream through; a failure after the start becomes a final error event
-    (``error_event``'s: a Responses API stream's has its own form).
-
-    The replica ends the stream with an :class:`Outcome` (not written out), kept in
-    ``record``. With ``on_tokens``, it is told the answer's total tokens; a stream
-    cut short (the client left) is counted as one token per event it was sent.
-    """
-    events = 0
-    ended = False  # an error event was written: nothing follows it, only the Outcome is still read
-    try:
-        if (ending := trailing_error(first)) is not None:
-            record.failed(*ending)
-            ended = True
-        yield first
-        events += first.count("data: ") if on_tokens else 0
-        while True:
-            try:
-                chunk = await next_before(rest, deadline.end_at)
-            except StopAsyncIteration:
-                break
-            if isinstance(chunk, Outcome):
-                record.outcome = chunk
-                continue
-            if ended:
-                continue
-            events += chunk.count("data: ") if on_tokens else 0
-            if (ending := trailing_error(chunk)) is not None:  # the replica ended the stream with an error
-                record.failed(*ending)
-                ended = True
-            yield chunk
-    except DeadlineExceeded:
-        if not ended:
-            error = deadline.expired()
-            record.failed(error.status, error.code)
-            yield error_event(error.status, error.message, error.code)
-    except TaskCancelledError:  # the client left; nobody reads an error event
-        pass
-    except Exception as exc:
-        # After the replica's own error event (its engine died, and the replica is
-        # leaving), the call's failure is the same event's consequence: one error per stream.
-        if not ended:
-            error = replica_failure(exc)
-            record.failed(error.status, error.code)
-            yield error_event(error.status, error.message, error.code)
-    finally:
-        rest.cancel()  # no-op when finished; aborts generation on timeout or when the client left
-        if on_tokens is not None:
-            on_tokens(record.outcome.total_tokens if record.outcome is not None else events)
-
-
-async def relay(
-    model: Model,
-    method: str,
-    payload: GenerationRequest,
-    deadline: Deadline,
-    record: RequestRecord,
-    retry_s: float = 0.0,
-    on_tokens: TokenCounter | None = None,
-) -> Response:
-    """Send ``payload`` to the model (:func:`call_replica`) and answer over HTTP with its reply or stream."""
-    first, responses = await call_replica(model, method, payload, deadline, record, retry_s)
-    if isinstance(first, Reply):
-        settle_reply(first, record, on_tokens)
-        # A replica that cannot serve right now (its engine died) says so with 503: retry.
-        headers = {"Retry-After": "1"} if first.status == 503 else None
-        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
-    error_event = responses_error_event if method == "responses" else sse_error_event
-    return StreamingResponse(
-        stream_sse(first, responses, deadline, record, on_tokens, error_event),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
-
-
-def settle_reply(reply: Reply, record: RequestRecord, on_tokens: TokenCounter | None) -> None:
-    """Record a whole reply's outcome and charge its tokens."""
-    record.outcome = reply.outcome
-    record.error_code = reply.code
-    if on_tokens is not None and reply.outcome is not None:
-        on_tokens(reply.outcome.total_tokens)
-
-
-async def call_replica(
+async def call_engine(
     model: Model,
     method: str,
     payload: GenerationRequest,
@@ -235,7 +268,7 @@ async def call_replica(
         except TaskCancelledError:  # Serve cancelled it because the client left
             raise
         except Exception as exc:
-            error = replica_failure(exc)
+            error = call_failure(exc)
             replica_deaths += may_have_reached_an_engine(exc)
             if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
                 continue

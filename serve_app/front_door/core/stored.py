@@ -1,8 +1,9 @@
 """StoredResponses: what one model replica holds of the Responses API's store.
 
-The store the config names (:mod:`.memory_store` or :mod:`.redis_store`, its address read from
-the replica's environment) and the background answers this replica generates
-(:mod:`.background`). Built once per replica with its front door's settings.
+The store the config names (:mod:`serve_app.front_door.answer_log.memory_store` or
+:mod:`serve_app.front_door.answer_log.redis_store`, its address read from the replica's
+environment) and the background answers this replica generates (:mod:`.background`). Built once
+per replica, beside its front door's core.
 
 Runs in each model replica.
 """
@@ -40,7 +41,10 @@ class StoredResponses:
 
             where = "in Redis, through its Sentinels" if config.redis.sentinel_master else "in Redis"
             store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where)
-        return cls(store, BackgroundAnswers(store, config.max_background_per_replica, config.lease_s), config.lease_s)
+        background = BackgroundAnswers(
+            store, config.max_background_per_replica, config.lease_s, config.max_waiting_per_key
+        )
+        return cls(store, background, config.lease_s)
 
     def expand(self, owner: str) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
         """Admission's ``expand`` for a request of ``owner``: its previous response's conversation first."""

@@ -30,8 +30,8 @@ from typing import Any
 from google.protobuf.message import Message
 
 from serve_app.errors import APIError
+from serve_app.front_door.answer_log.follow import CANCELLED, finish, follow
 from serve_app.front_door.answer_log.store import ResponseStore, event_type
-from serve_app.front_door.core.background import CANCELLED, finish, follow
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import SHAPES, ResponseWriter, error_of_event, wrap
 

@@ -13,7 +13,9 @@ new messages: gRPC's flow control then holds the client back). At most
 
 The call ends once the client half-closed and every request's final response was written.
 A call the client cancels (or whose connection drops) cancels every request it runs, which
-aborts them in the engine.
+aborts them in the engine. A call with no request running and no message from its client for
+``idle_timeout_s`` is ended (:attr:`MultiplexedCall.idled` says why: the service ends it
+UNAVAILABLE), so an idle call does not hold its place for ever.
 
 Runs in each model replica.
 """
@@ -70,23 +72,41 @@ class MultiplexedCall:
         self._buffer: asyncio.Queue[pb.StreamResponse | None] = asyncio.Queue()
         self._space = asyncio.Semaphore(limits.max_buffered_responses)
         self._reading = True
+        self._heard = asyncio.Event()  # set by each message and each request's end: the call is not idle
+        self.idled: str | None = None  # why the call was ended idle (None: it was not)
 
     async def responses(self, requests: AsyncIterator[pb.StreamRequest]) -> AsyncGenerator[pb.StreamResponse, None]:
         """The call's responses, as they come, until the client half-closed and every request ended."""
         reader = asyncio.create_task(self._read(requests), name="stream reader")
+        watch = asyncio.create_task(self._end_when_idle(), name="stream idle watch")
         try:
             while (response := await self._buffer.get()) is not None:
                 self._space.release()
                 yield response
         finally:  # ended, or the call was cancelled: nothing of it runs on
-            tasks = [reader, *self._running.values()]
+            tasks = [reader, watch, *self._running.values()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _end_when_idle(self) -> None:
+        """End the call once no request runs and its client has sent nothing for ``idle_timeout_s``."""
+        idle_s = self.limits.idle_timeout_s
+        while True:
+            self._heard.clear()
+            try:
+                async with asyncio.timeout(idle_s):  # (not wait_for: in 3.11 it can swallow the call's cancel)
+                    await self._heard.wait()
+            except TimeoutError:
+                if not self._running:
+                    self.idled = f"the call was idle for {idle_s:g} s (no request running, no message); open a new call"
+                    self._buffer.put_nowait(None)
+                    return
+
     async def _read(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
         try:
             async for message in requests:
+                self._heard.set()
                 await self._take(message)
         except Exception:
             logger.exception("a Stream call's requests could not be read; its requests are cancelled")
@@ -151,6 +171,7 @@ class MultiplexedCall:
             await self._emit(final)
 
     def _ended(self, stream_id: str, task: asyncio.Task[None]) -> None:
+        self._heard.set()
         if self._running.get(stream_id) is task:
             del self._running[stream_id]
         self._cancelling.discard(task)

@@ -1,16 +1,13 @@
-"""The HTTP surface: Starlette routes of the OpenAI-compatible API.
+"""The HTTP door: Starlette routes of the OpenAI-compatible API over the front door's core.
 
-Each generation route does the same four things: read the body (413 when too
-large), validate it strictly with vLLM's own request model and the OpenAI API's
-rules (:mod:`serve_app.front_door.admission.validation`, or for a large body
-:mod:`serve_app.front_door.admission.large_bodies` in another process; 400 naming the
-parameter), route it by ``model`` (404 when nobody serves it) and hand it to
-:mod:`serve_app.front_door.core.generation`, which calls a model replica and relays
-its answer.
-
-API keys are checked before any of that, by :mod:`serve_app.front_door.admission.auth`'s
-middleware; other per-request policies (rate limits, timeouts) belong between
-parsing and routing, in :func:`handle_generation`.
+A generation route reads the body (413 when too large, 408 when too slow), has the core admit it
+(:meth:`~serve_app.front_door.core.front_door.FrontDoor.admit`: the key's limits, strict
+validation, cost bounds, the places its sequences take; 4xx naming the problem) and generate it
+(:meth:`~serve_app.front_door.core.front_door.FrontDoor.generate`), and writes the answer: a
+whole answer as a JSON response, a stream as Server-Sent Events written through as the engine
+framed them. Its record and its permit are the middleware's (:mod:`.middleware`), API keys are
+checked before any of it (:mod:`serve_app.front_door.admission.auth`), and the Responses API's
+stored and background answers are :mod:`.responses`'.
 
 Runs in each model replica, behind Serve's HAProxy.
 """
@@ -21,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 from ray.exceptions import TaskCancelledError
 from starlette.applications import Starlette
@@ -29,22 +26,24 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from serve_app.errors import UNAVAILABLE, APIError, error_body
 from serve_app.front_door.admission.auth import APIKeyMiddleware
-from serve_app.front_door.admission.capacity import SLOT_HOLD_SCOPE_KEY, GenerationCapacity
 from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
 from serve_app.front_door.admission.endpoints import Endpoint, default_endpoints
-from serve_app.front_door.admission.models import ModelCatalog
-from serve_app.front_door.admission.pipeline import admit
 from serve_app.front_door.admission.request_body import JSONBody
-from serve_app.front_door.admission.settings import IngressSettings
-from serve_app.front_door.core.generation import relay
+from serve_app.front_door.core.front_door import FrontDoor
+from serve_app.front_door.core.generation import Generation
+from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api import responses as stored_routes
-from serve_app.front_door.telemetry.record import ObserveRequests, RequestRecord
+from serve_app.front_door.http_api.middleware import PERMIT_SCOPE_KEY, Arrivals, ObserveRequests
+from serve_app.front_door.telemetry.record import RequestRecord
+from serve_app.protocol import Reply
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 logger = logging.getLogger("ray.serve")
 
@@ -79,27 +78,30 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
 
 
 async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
-    state = request.app.state
+    core: FrontDoor = request.app.state.core
     record: RequestRecord = request.state.record  # opened by ObserveRequests
-    record.key_id = getattr(request.state, "api_key_id", None)
-    deadline = Deadline.start(state.settings.time_limits, requested_timeout(request.headers))
-    settings: IngressSettings = state.settings
-    raw = await read_body(request, settings.max_request_body_bytes, settings.body_timeout_s)
-    hold = getattr(request.state, SLOT_HOLD_SCOPE_KEY, None)  # (GenerationCapacity's)
-    stored = settings.stored_responses if endpoint.method == "responses" else None
+    permit: Permit = getattr(request.state, PERMIT_SCOPE_KEY)  # taken by Arrivals
+    record.key_id = permit.key_id
+    deadline = Deadline.start(core.settings.time_limits, requested_timeout(request.headers))
+    raw = await read_body(request, core.settings.max_request_body_bytes, core.settings.body_timeout_s)
+    stored = core.stored if endpoint.method == "responses" else None
     expand = stored.expand(stored_routes.owner_of(request)) if stored is not None else None
-    admitted = await admit(JSONBody(raw), endpoint, state.models, settings, record, hold, expand)
+    admitted = await core.admit(permit, JSONBody(raw), endpoint, record, expand)
     if stored is not None and getattr(admitted.payload, "store", False):
-        return await stored_routes.create(stored, admitted, deadline, record, settings.unavailable_retry_s)
-    return await relay(
-        admitted.entry.model,
-        endpoint.method,
-        admitted.payload,
-        deadline,
-        record,
-        settings.unavailable_retry_s,
-        admitted.on_tokens,
+        return await stored_routes.create(core, stored, permit, admitted, deadline, record)
+    generation = core.generate(
+        permit, admitted, endpoint.method, deadline, record, stored_routes.error_event_of(endpoint)
     )
+    return answer(await generation.start(), generation)
+
+
+def answer(first: Reply | str, generation: Generation) -> Response:
+    """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE."""
+    if isinstance(first, Reply):
+        # A replica that cannot serve right now (its engine died) says so with 503: retry.
+        headers = {"Retry-After": "1"} if first.status == 503 else None
+        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
+    return StreamingResponse(generation.chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def generation_route(endpoint: Endpoint) -> Route:
@@ -156,20 +158,20 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def build_http_app(
-    models: ModelCatalog[Any],
-    settings: IngressSettings,
+    core: FrontDoor,
     readiness: ReadinessSource,
     endpoints: list[Endpoint] | None = None,
 ) -> Starlette:
     """The Starlette app each model replica serves (the application's ingress); ``readiness`` runs while it does."""
     endpoints = endpoints or default_endpoints()
+    settings = core.settings
     routes = [generation_route(e) for e in endpoints]
     routes += [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", alive, methods=["GET"]),
     ]
-    if settings.stored_responses is not None:
+    if core.stored is not None:
         routes += stored_routes.stored_response_routes()
     middleware = []
     if settings.cors is not None:  # outermost: a browser's preflight carries no API key
@@ -187,16 +189,15 @@ def build_http_app(
         Middleware(
             ObserveRequests,
             paths={e.path: e.method for e in endpoints},
-            observers=settings.observers(),
-            on_phase=settings.metrics.moved if settings.metrics is not None else None,
+            observers=core.observers(),
+            on_phase=core.metrics.moved if core.metrics is not None else None,
             keep_content=settings.log_content,
         )
     )
-    if settings.api_keys is not None:
-        middleware.append(Middleware(APIKeyMiddleware, keys=settings.api_keys))
-    if settings.generation_slots is not None:  # inside API keys: a refused key takes no place
-        paths = frozenset(e.path for e in endpoints)
-        middleware.append(Middleware(GenerationCapacity, slots=settings.generation_slots, paths=paths))
+    if core.api_keys is not None:
+        middleware.append(Middleware(APIKeyMiddleware, keys=core.api_keys))
+    # Inside API keys: a refused key takes no place.
+    middleware.append(Middleware(Arrivals, core=core, paths=frozenset(e.path for e in endpoints)))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -205,10 +206,10 @@ def build_http_app(
             yield
         finally:
             readiness.stop()
-            settings.body_checker.close()
-            if settings.stored_responses is not None:  # (its background answers end first: the replica is stopping)
-                await settings.stored_responses.background.drain()
-                await settings.stored_responses.close()
+            core.rules.body_checker.close()
+            if core.stored is not None:  # (its background answers end first: the replica is stopping)
+                await core.stored.background.drain()
+                await core.stored.close()
 
     app = Starlette(
         routes=routes,
@@ -222,7 +223,7 @@ def build_http_app(
             Exception: _unexpected,
         },
     )
-    app.state.models = models
-    app.state.settings = settings
+    app.state.core = core
+    app.state.models = core.models
     app.state.readiness = readiness
     return app

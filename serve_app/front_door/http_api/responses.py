@@ -1,15 +1,18 @@
 """The Responses API's HTTP routes: create (foreground, stored, background), retrieve, cancel, delete.
 
 ``POST /v1/responses`` passes the same admission as every generation request; a
-``previous_response_id`` is turned into its conversation first (:mod:`.history`). Then:
+``previous_response_id`` is turned into its conversation first
+(:mod:`serve_app.front_door.answer_log.history`). Then:
 
 - ``store: false``: answered and forgotten, as chat is;
 - stored (OpenAI's default): answered as it comes, and its final object kept with the input
   items it followed, once the answer ends (a client that leaves first leaves nothing stored);
-- ``background: true``: kept at once as ``queued`` and generated detached
-  (:mod:`.background`); the answer is that object, or with ``stream: true`` its event log
-  followed from the start, which a client that drops resumes with ``GET
-  /v1/responses/{id}?stream=true&starting_after=N`` through any replica.
+- ``background: true``: kept at once as ``queued`` and generated detached, holding the request's
+  places for its whole life, or, past its key's cap, once it has waited for its key's place
+  (:mod:`serve_app.front_door.core.background`); the answer is that object, or with
+  ``stream: true`` its event log followed from the start, which a client that drops resumes
+  with ``GET /v1/responses/{id}?stream=true&starting_after=N`` through any replica. A follower
+  holds an open call's place (:mod:`serve_app.front_door.admission.open_calls`), not a generation one.
 
 Another key's response is a 404, as a missing one is: ids are not secrets, owners are.
 
@@ -28,10 +31,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from serve_app.errors import APIError, responses_error_event
 from serve_app.front_door.admission.deadlines import Deadline
+from serve_app.front_door.admission.endpoints import Endpoint
+from serve_app.front_door.admission.open_calls import OpenCalls
 from serve_app.front_door.admission.pipeline import Admitted
+from serve_app.front_door.answer_log.follow import CANCELLED, end_if_orphaned, finish, follow
 from serve_app.front_door.answer_log.history import request_input_items
 from serve_app.front_door.answer_log.store import (
     NO_OWNER,
@@ -40,10 +47,14 @@ from serve_app.front_door.answer_log.store import (
     is_terminal,
     split_events,
 )
-from serve_app.front_door.core.background import CANCELLED, end_if_orphaned, finish, follow, produce
-from serve_app.front_door.core.generation import SSE_HEADERS, call_replica, settle_reply, stream_sse
+from serve_app.front_door.core.background import produce_response
+from serve_app.front_door.core.front_door import FrontDoor
+from serve_app.front_door.core.generation import ErrorEvent, Generation, chat_error_event
+from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.telemetry.record import RequestRecord
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 CANCEL_WAIT_S = 5.0  # longest a cancel waits for the answer's replica to end it
 CANCEL_POLL_S = 0.05
@@ -54,44 +65,99 @@ def owner_of(request: Request) -> str:
     return key_id if key_id is not None else NO_OWNER
 
 
+def responses_event(status: int, message: str, code: str | None, sent: int) -> bytes:
+    """A Responses stream's error event, numbered after the ``sent`` events before it."""
+    return responses_error_event(status, message, code, sent)
+
+
+def error_event_of(endpoint: Endpoint) -> ErrorEvent:
+    """The error event that ends a failed stream of ``endpoint``."""
+    return responses_event if endpoint.method == "responses" else chat_error_event
+
+
 async def create(
-    stored: StoredResponses, admitted: Admitted, deadline: Deadline, record: RequestRecord, retry_s: float
+    core: FrontDoor,
+    stored: StoredResponses,
+    permit: Permit,
+    admitted: Admitted,
+    deadline: Deadline,
+    record: RequestRecord,
 ) -> Response:
     """Answer an admitted ``POST /v1/responses`` that is stored (the module's docstring)."""
     payload: Any = admitted.payload
     owner = record.key_id if record.key_id is not None else NO_OWNER
-    model = admitted.entry.model
     if payload.background:
-        response = queued_response(payload, admitted.entry.name, admitted.entry.max_output_tokens)
-        queued = stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=True)
-        streamed = payload.model_copy(update={"stream": True})
-        answer = produce(stored.store, response, model, streamed, deadline, admitted.on_tokens, retry_s)
-        await stored.background.run(payload.request_id, answer, queued)
-        if not payload.stream:
-            return JSONResponse(response)
-        return StreamingResponse(
-            follow(stored.store, response, -1, stored.lease_s / 2), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return await create_background(core, stored, permit, admitted, owner)
 
     async def keep(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
         await stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=False)
 
-    first, rest = await call_replica(model, "responses", payload, deadline, record, retry_s)
+    generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
+    first = await generation.start()
     if isinstance(first, str):
-        frames = stream_sse(first, rest, deadline, record, admitted.on_tokens, responses_error_event)
-        return StreamingResponse(kept_at_end(frames, keep), media_type="text/event-stream", headers=SSE_HEADERS)
-    settle_reply(first, record, admitted.on_tokens)
+        frames = kept_at_end(generation, keep)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     if first.status == 200:
         await keep(json.loads(first.body))
     headers = {"Retry-After": "1"} if first.status == 503 else None
     return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
 
 
-async def kept_at_end(frames: AsyncIterator[str | bytes], keep: Any) -> AsyncIterator[str | bytes]:
+async def create_background(
+    core: FrontDoor, stored: StoredResponses, permit: Permit, admitted: Admitted, owner: str
+) -> Response:
+    """Keep a background answer ``queued`` and start it under the request's permit (or, past its key's
+    cap, once it waited for one); answer with its object, or follow its log (an open call's place)."""
+    payload: Any = admitted.payload
+    response = queued_response(payload, admitted.entry.name, admitted.entry.max_output_tokens)
+    keep = stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=True)
+    streamed = payload.model_copy(update={"stream": True})
+    background = Admitted(admitted.entry, streamed, admitted.sequences)
+    record = RequestRecord("responses", request_id=payload.request_id, key_id=permit.key_id, stream=True)
+
+    def generation_for(held: Permit, deadline: Deadline) -> Generation:
+        return core.generate(held, background, "responses", deadline, record, responses_event)
+
+    async def produce(get_permit: Any) -> None:
+        await produce_response(stored.store, response, get_permit, generation_for, core.settings.time_limits)
+
+    follows = bool(payload.stream)
+    if follows:
+        core.open_calls.take(permit.key_id)  # before anything is kept: a follower past its bound refuses it all
+    try:
+        waits = admitted.waits_for_key is not None
+        await stored.background.start(
+            payload.request_id, permit.key_id, None if waits else permit, admitted.sequences, keep, produce
+        )
+    except BaseException:
+        if follows:
+            core.open_calls.give_back(permit.key_id)
+        raise
+    if not follows:
+        return JSONResponse(response)
+    return FollowedStream(follow(stored.store, response, -1, stored.lease_s / 2), core.open_calls, permit.key_id)
+
+
+class FollowedStream(StreamingResponse):
+    """An answer's events as a follower reads them, holding an open call's place (taken by its caller)
+    until the response ends, however it ends (a client gone before the first byte included)."""
+
+    def __init__(self, events: AsyncIterator[str], open_calls: OpenCalls, key_id: str | None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._open_calls, self._key_id = open_calls, key_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._open_calls.give_back(self._key_id)
+
+
+async def kept_at_end(generation: Generation, keep: Any) -> AsyncIterator[str | bytes]:
     """A stored answer's stream, written through; its final object, which its last frame ends with,
     kept once it has been sent (nothing is read of the frames before: the stream costs what chat's does)."""
     last: str | bytes = ""
-    async for frame in frames:
+    async for frame in generation.chunks():
         yield frame
         last = frame
     events = split_events(last) if isinstance(last, str) else []
@@ -116,7 +182,7 @@ def queued_response(payload: Any, model_name: str, max_output_tokens: int | None
 
 
 async def _found(request: Request) -> tuple[StoredResponses, StoredResponse]:
-    stored: StoredResponses = request.app.state.settings.stored_responses
+    stored: StoredResponses = request.app.state.core.stored
     response_id = request.path_params["response_id"]
     found = await stored.store.load(response_id, owner_of(request))
     if found is None or not found.is_response:
@@ -139,8 +205,10 @@ async def retrieve(request: Request) -> Response:
     if not found.background:
         raise APIError(400, "only a background response's events are kept to be streamed again", param="stream")
     after = _starting_after(request)
-    events = follow(stored.store, found.response, after, stored.lease_s / 2)
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    core: FrontDoor = request.app.state.core
+    key_id = getattr(request.state, "api_key_id", None)
+    core.open_calls.take(key_id)  # (a follower holds an open call's place, given back as it ends)
+    return FollowedStream(follow(stored.store, found.response, after, stored.lease_s / 2), core.open_calls, key_id)
 
 
 async def cancel(request: Request) -> Response:

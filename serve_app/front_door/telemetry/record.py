@@ -1,29 +1,25 @@
 """RequestRecord: what one generation request did, filled in as it happens.
 
-:class:`ObserveRequests` (ASGI middleware) opens a record when a generation
-request arrives and closes it when its last byte is written or its client
-leaves; in between the handler and the stream relay fill in the model, the
-request id, the outcome the replica reported and any error. When the record
-closes, the same facts become the metrics, the request's log line and its span
-attributes, so the three never disagree.
+Each door opens a record as a generation request arrives (the HTTP door's middleware,
+:mod:`serve_app.front_door.http_api.middleware`; the gRPC door per call, or per request on a
+Stream call) and ends it when its last byte is written or its client leaves; in between,
+admission and the answer fill in the model, the request id, the outcome the engine reported and
+any error. When the record ends, the same facts become the metrics, the request's log line and
+its span attributes, so the three never disagree. A record only records: what a request holds
+(its places, its key's lease) is its permit's (:mod:`serve_app.front_door.core.permit`).
 
 Runs in each model replica.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from serve_app.errors import grpc_status
-from serve_app.front_door.admission.route_path import route_path
-from serve_app.observability import tracing
 from serve_app.protocol import Outcome
 
 # A build's outcomes (the metrics' label): built, or the code of the 400 it gave.
@@ -33,15 +29,6 @@ INVALID_GRAMMAR = "invalid_grammar"  # the engine could not build it
 GRAMMAR_OUTCOMES = (GRAMMAR_BUILT, GRAMMAR_TOO_COSTLY, INVALID_GRAMMAR)
 
 CLIENT_GONE = 499  # the status logged and counted for a request whose client left (nginx's convention)
-
-
-@dataclass(frozen=True)
-class KeyLease:
-    """A request's place among its key's requests at once: in this replica's count, and at the limiter."""
-
-    key_id: str
-    lease_id: str
-    at_limiter: bool  # False: the limiter did not answer in time (held by this replica's count; it may hold it too)
 
 
 class Phase(enum.Enum):
@@ -61,7 +48,6 @@ class RequestRecord:
     model: str | None = None  # set once routed; never a client's unknown model name
     request_id: str | None = None
     key_id: str | None = None  # hashed API key, when keys are configured
-    key_lease: KeyLease | None = None  # its place among its key's requests at once, given back at its end
     stream: bool = False
     phase: Phase = Phase.RECEIVED
     status: int | None = None
@@ -129,71 +115,6 @@ class RequestObserver(Protocol):
     def ended(self, record: RequestRecord) -> None: ...
 
 
-class ObserveRequests:
-    """ASGI middleware: a :class:`RequestRecord` and a span for each request to ``paths``.
-
-    The record is at ``request.state.record`` for the handlers. Its status is the
-    one written to the client, unless the handler marked the answer failed
-    mid-stream; a response that never finished is a client that left.
-    """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        paths: dict[str, str],
-        observers: list[Observer],
-        on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None,
-        keep_content: bool = False,
-    ) -> None:
-        self.app = app
-        self.paths = paths  # path -> endpoint name
-        self.observers = observers
-        self.on_phase = on_phase
-        self.keep_content = keep_content
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        observed = scope["type"] == "http" and scope.get("method") == "POST"
-        endpoint = self.paths.get(route_path(scope)) if observed else None
-        if endpoint is None:
-            await self.app(scope, receive, send)
-            return
-        record = RequestRecord(endpoint, on_phase=self.on_phase, keep_content=self.keep_content)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        record.span = tracing.start_request_span(
-            f"{scope.get('method', 'POST')} {scope['path']}",
-            headers,
-            {"http.request.method": scope.get("method", "POST"), "url.path": scope["path"]},
-        )
-        scope.setdefault("state", {})["record"] = record
-
-        async def observed_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                if record.status is None:
-                    record.status = message["status"]
-            elif message["type"] == "http.response.body":
-                body = message.get("body", b"")
-                if body and record.first_byte_at is None:
-                    record.first_byte_at = time.monotonic()
-                if record.keep_content and body:
-                    record.response_bytes.append(body)
-                if not message.get("more_body", False):
-                    record.completed = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, observed_send)
-        except asyncio.CancelledError:  # Serve cancels a request whose client left
-            raise
-        except Exception as exc:
-            if record.status is not None and _client_left(exc):
-                return  # mid-response: nobody is there to answer, and nothing went wrong here
-            if record.status is None:
-                record.status = 500
-            raise
-        finally:
-            end_record(record, self.observers)
-
-
 def end_record(record: RequestRecord, observers: list[Observer]) -> None:
     """Close ``record``: an answer that never finished is a client that left; tell ``observers``; end its span."""
     record.ended_at = time.monotonic()
@@ -203,14 +124,6 @@ def end_record(record: RequestRecord, observers: list[Observer]) -> None:
     for observe in observers:
         observe(record)
     close_span(record)
-
-
-def _client_left(exc: BaseException) -> bool:
-    """Serve reports a client that left as a cancelled task; once a response has started,
-    Starlette re-raises it wrapped in a RuntimeError ("response already started")."""
-    from ray.exceptions import TaskCancelledError
-
-    return isinstance(exc, TaskCancelledError) or isinstance(exc.__cause__, TaskCancelledError)
 
 
 def close_span(record: RequestRecord) -> None:

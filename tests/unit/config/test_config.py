@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from serve_app.config import ConfigError, parse_app_config, split_engine_args
+from serve_app.config import ConfigError, OpenCallsConfig, parse_app_config, split_engine_args
 from serve_app.deployments.options import DIRECT_REQUESTS_HEADROOM, model_options, model_server_options
 from tests.serve_configs import DEPLOY, SHIPPED, app_args, minimal
 from tools.cluster_env import cluster_env
@@ -409,15 +409,18 @@ def test_an_application_serves_exactly_one_model():
         parse_app_config(two)
 
 
-def test_the_replica_takes_past_its_generation_limit_and_enforces_the_limit_itself():
+def test_the_replica_takes_past_its_generation_limit_and_its_open_calls_and_enforces_both_itself():
+    """Serve's limit of a model replica is its generation places, its open calls' places and a
+    headroom for /health: neither generation nor idle calls can take the places /health needs."""
     model = parse_app_config(minimal(deployment={"max_ongoing_requests": 4, "max_queued_requests": 6})).models[0]
     assert model.generation_limit() == 10
-    options = model_server_options(model)
-    assert options["max_ongoing_requests"] == 10 + DIRECT_REQUESTS_HEADROOM
+    open_calls = OpenCallsConfig(max_per_replica=100)
+    options = model_server_options(model, open_calls=open_calls)
+    assert options["max_ongoing_requests"] == 10 + 100 + DIRECT_REQUESTS_HEADROOM
     assert "max_queued_requests" not in options
     unbounded = parse_app_config(minimal()).models[0]  # Serve's default queue: unbounded
     assert unbounded.generation_limit() is None
-    assert model_server_options(unbounded)["max_ongoing_requests"] == 8 + DIRECT_REQUESTS_HEADROOM
+    assert model_server_options(unbounded, open_calls=open_calls)["max_ongoing_requests"] == 8 + 100 + 64
 
 
 def test_a_request_may_not_ask_for_more_sequences_than_a_replica_batches():

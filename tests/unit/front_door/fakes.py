@@ -18,9 +18,11 @@ from serve_app.front_door.admission.auth import APIKeys
 from serve_app.front_door.admission.capacity import GenerationSlots
 from serve_app.front_door.admission.deadlines import TimeLimits
 from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.pipeline import BodyRules
 from serve_app.front_door.admission.rate_limits import KeyLimits
 from serve_app.front_door.admission.request_cost import CostLimits
 from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api.app import build_http_app
 from serve_app.front_door.telemetry.record import Phase, RequestRecord
@@ -124,16 +126,13 @@ def client_for(
         time_limits=limits or TimeLimits(600, 120),
         unavailable_retry_s=retry_s,
         body_timeout_s=body_timeout_s,
-        api_keys=api_keys,
         cors=cors,
-        key_limits=key_limits,
-        metrics=metrics,
         log_content=log_content,
-        generation_slots=slots,
         costs=costs or CostLimits(),
         isolate_prefix_cache=isolate_prefix_cache,
     )
-    app = build_http_app(router, settings, readiness)
+    core = FrontDoor(BodyRules(settings, router, key_limits), api_keys=api_keys, slots=slots, metrics=metrics)
+    app = build_http_app(core, readiness)
     return TestClient(app, raise_server_exceptions=False), handle
 
 

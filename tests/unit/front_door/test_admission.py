@@ -25,7 +25,10 @@ class Checker:
 
 
 def settings(checker: Checker) -> SimpleNamespace:
-    return SimpleNamespace(costs=SimpleNamespace(max_grammar_build_s=10.0), body_checker=checker)
+    """The rules' parts a grammar's build reads (a BodyRules)."""
+    return SimpleNamespace(
+        settings=SimpleNamespace(costs=SimpleNamespace(max_grammar_build_s=10.0)), body_checker=checker
+    )
 
 
 WITH_GRAMMAR = SimpleNamespace(grammar_chars=30, grammar_param="response_format")

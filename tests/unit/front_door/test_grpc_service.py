@@ -22,8 +22,10 @@ from serve_app.front_door.admission.deadlines import TimeLimits
 from serve_app.front_door.admission.endpoints import default_endpoints
 from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES, BodyChecker
 from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.pipeline import BodyRules
 from serve_app.front_door.admission.rate_limits import KeyLimits
 from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService
@@ -83,15 +85,13 @@ def service(
         max_request_body_bytes=1 << 20,
         time_limits=limits or TimeLimits(600, 120),
         unavailable_retry_s=0.0,
-        api_keys=APIKeys("test keys", lambda: KEYS) if keys else None,
-        key_limits=key_limits,
-        metrics=metrics,
         log_requests=False,
-        generation_slots=slots,
-        body_checker=body_checker or BodyChecker(),
     )
+    rules = BodyRules(settings, router, key_limits, body_checker or BodyChecker())
+    keyed = APIKeys("test keys", lambda: KEYS) if keys else None
+    core = FrontDoor(rules, api_keys=keyed, slots=slots, metrics=metrics)
     readiness = FixedReadiness(Readiness({MODEL: True}, age_s=0.5, max_age_s=30))
-    return GenerationService(router, settings, default_endpoints(), readiness), handle, metrics
+    return GenerationService(core, default_endpoints(), readiness), handle, metrics
 
 
 def request(**fields: Any) -> pb.ChatCompletionRequest:
@@ -173,7 +173,9 @@ def test_with_fair_share_a_call_is_sent_with_its_keys_rank_as_its_engine_priorit
     assert [p.priority for p in handle.payloads] == [1] and slots.by_key == {}
 
 
-def test_a_call_holds_its_place_until_its_stream_ends():
+def test_a_call_holds_its_place_until_its_answer_ends():
+    """Its permit lives as long as its answer: held while the engine's chunks come, given back once
+    the answer ended (its final response, written after, holds nothing)."""
     slots = GenerationSlots(limit=1)
     outcome = Outcome(3, 2, ("stop",))
     svc, _, _ = service([chunk("He", 1), chunk("y", 2, "stop"), "data: [DONE]\n\n", outcome], slots=slots)
@@ -184,7 +186,7 @@ def test_a_call_holds_its_place_until_its_stream_ends():
             held.append(slots.held)
         return held + [slots.held]
 
-    assert asyncio.run(read()) == [1, 1, 1, 0]
+    assert asyncio.run(read()) == [1, 1, 0, 0]
 
 
 def test_no_key_is_unauthenticated():

@@ -14,7 +14,9 @@ from starlette.testclient import TestClient
 
 from serve_app.front_door.admission.deadlines import TimeLimits
 from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.pipeline import BodyRules
 from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import RETRY_INTERVAL_S
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api.app import build_http_app
@@ -175,7 +177,8 @@ def test_the_app_starts_and_stops_its_readiness_watch_with_itself():
     router = ModelCatalog({"glm-4-9b-chat": ModelEntry("glm-4-9b-chat", None, 1024)})
     settings = IngressSettings(max_request_body_bytes=1024, time_limits=TimeLimits(600, 120))
     readiness = Recording(Readiness({"glm-4-9b-chat": True}, age_s=0.1, max_age_s=30))
-    with TestClient(build_http_app(router, settings, readiness, default_endpoints())) as client:
+    core = FrontDoor(BodyRules(settings, router))
+    with TestClient(build_http_app(core, readiness, default_endpoints())) as client:
         assert events == ["start"] and client.get("/health").status_code == 200
     assert events == ["start", "stop"]
 

@@ -17,12 +17,23 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 
 from serve_app.errors import APIError
 from serve_app.front_door.admission.auth import APIKeyMiddleware, APIKeys
-from serve_app.front_door.admission.capacity import FairShare, GenerationCapacity, GenerationSlots
-from serve_app.front_door.admission.deadlines import DeadlineExceeded, next_before
+from serve_app.front_door.admission.capacity import FairShare, GenerationSlots
+from serve_app.front_door.admission.deadlines import DeadlineExceeded, TimeLimits, next_before
+from serve_app.front_door.admission.models import ModelCatalog
+from serve_app.front_door.admission.pipeline import BodyRules
+from serve_app.front_door.admission.settings import IngressSettings
+from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.local_engine import LocalModel, PrefixRoute, RoutedAnswer
-from serve_app.front_door.telemetry.record import ObserveRequests, RequestRecord
+from serve_app.front_door.http_api.middleware import Arrivals, ObserveRequests
+from serve_app.front_door.telemetry.record import RequestRecord
 from serve_app.protocol import Reply
 from tests.waiting import wait_until
+
+
+def arrivals(slots: GenerationSlots, paths: frozenset[str] = frozenset({"/v1/chat/completions"})) -> Middleware:
+    """The HTTP door's permits from arrival, over a core with ``slots`` (and nothing else)."""
+    settings = IngressSettings(max_request_body_bytes=1 << 20, time_limits=TimeLimits(600, 120))
+    return Middleware(Arrivals, core=FrontDoor(BodyRules(settings, ModelCatalog({})), slots=slots), paths=paths)
 
 
 def held_app(release: asyncio.Event, entered: list[str], limit: int) -> Starlette:
@@ -35,7 +46,7 @@ def held_app(release: asyncio.Event, entered: list[str], limit: int) -> Starlett
         return JSONResponse({"status": "ok"})
 
     routes = [Route("/v1/chat/completions", generate, methods=["POST"]), Route("/health", health)]
-    capacity = Middleware(GenerationCapacity, slots=GenerationSlots(limit), paths=frozenset({"/v1/chat/completions"}))
+    capacity = arrivals(GenerationSlots(limit))
     return Starlette(routes=routes, middleware=[capacity])
 
 
@@ -69,9 +80,7 @@ def test_a_refused_request_is_counted_against_the_replicas_model() -> None:
     routes = [Route("/v1/chat/completions", lambda request: JSONResponse({}), methods=["POST"])]
     middleware = [
         Middleware(ObserveRequests, paths={"/v1/chat/completions": "chat"}, observers=[records.append]),
-        Middleware(
-            GenerationCapacity, slots=GenerationSlots(0, "glm-4-9b-chat"), paths=frozenset(["/v1/chat/completions"])
-        ),
+        arrivals(GenerationSlots(0, "glm-4-9b-chat")),
     ]
     client = TestClient(Starlette(routes=routes, middleware=middleware))
     assert client.post("/v1/chat/completions", json={}).status_code == 429
@@ -175,14 +184,14 @@ async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_i
     release, ranks = asyncio.Event(), list[int]()
 
     async def generate(request: Request) -> Response:
-        ranks.append(request.state.slot_hold.rank)
+        ranks.append(request.state.permit.rank)
         await release.wait()
         return JSONResponse({"ok": True})
 
     slots = GenerationSlots(limit=4, fair_share=FairShare(limit=4, kept=2))
     middleware = [
         Middleware(APIKeyMiddleware, keys=APIKeys("test keys", lambda: "\n".join(keys))),
-        Middleware(GenerationCapacity, slots=slots, paths=frozenset({"/v1/chat/completions"})),
+        arrivals(slots),
     ]
     app = Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"])], middleware=middleware)
 

@@ -235,7 +235,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 
     from ray.exceptions import TaskCancelledError
 
-    from serve_app.front_door.telemetry.record import ObserveRequests
+    from serve_app.front_door.http_api.middleware import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -259,7 +259,7 @@ def test_a_client_leaving_mid_response_is_recorded_not_raised():
 def test_a_failure_before_the_response_is_a_500_and_raised():
     import asyncio
 
-    from serve_app.front_door.telemetry.record import ObserveRequests
+    from serve_app.front_door.http_api.middleware import ObserveRequests
 
     async def app(scope, receive, send):
         raise ValueError("bug")
@@ -276,7 +276,7 @@ def test_requests_under_a_route_prefix_are_recorded():
     """Serve passes route_prefix as root_path and leaves it in path: the record must still match."""
     import asyncio
 
-    from serve_app.front_door.telemetry.record import ObserveRequests
+    from serve_app.front_door.http_api.middleware import ObserveRequests
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -12,17 +12,13 @@ from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
+from serve_app.front_door.answer_log.follow import CANCELLED, end_if_orphaned, finish, follow
 from serve_app.front_door.answer_log.history import output_as_input, with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.redis_store import RedisStore, StoreUnavailable, connect
 from serve_app.front_door.answer_log.store import ResponseStore, event_type, split_events
-from serve_app.front_door.core.background import (
-    CANCELLED,
-    BackgroundAnswers,
-    end_if_orphaned,
-    finish,
-    follow,
-)
+from serve_app.front_door.core.background import BackgroundAnswers
+from serve_app.front_door.core.permit import Permit
 from tests.waiting import wait_until
 from tools.local_redis import LocalRedis
 
@@ -290,15 +286,23 @@ async def test_a_stopping_replica_waits_for_its_background_answers():
     release = asyncio.Event()
     ended: list[str] = []
 
-    async def answer(name: str) -> None:
-        await release.wait()
-        ended.append(name)
+    def answer(name: str):
+        async def produce(get_permit) -> None:
+            await get_permit()
+            await release.wait()
+            ended.append(name)
+
+        return produce
+
+    def start(name: str):
+        keep = store.save(f"resp_{name}", OWNER, {}, [], background=True)
+        return answers.start(f"resp_{name}", None, Permit(None), 1, keep, answer(name))
 
     for name in ("a", "b"):
-        await answers.run(f"resp_{name}", answer(name), store.save(f"resp_{name}", OWNER, {}, [], background=True))
+        await start(name)
         assert await store.leased(f"resp_{name}")
     with pytest.raises(APIError) as refused:
-        await answers.run("resp_c", answer("c"), store.save("resp_c", OWNER, {}, [], background=True))
+        await start("c")
     assert (refused.value.status, refused.value.code) == (429, "background_limit")
     draining = asyncio.create_task(answers.drain())
     await asyncio.sleep(0.05)  # (the drain is waiting: it must still be, with the answers under way)

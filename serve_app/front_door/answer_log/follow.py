@@ -1,0 +1,91 @@
+"""Reading an answer's log as it grows, and ending an answer no producer will end.
+
+:func:`follow` yields an answer's events after a position, those logged and then each as it is
+logged, to the last. A reader that finds the log quiet and the producer's lease lapsed (its
+replica died) ends the answer: a ``failed`` response and an ``error`` event, written once
+whoever writes it first (a sequence number is taken once). :func:`finish` is how every writer
+ends a log.
+
+Runs in each model replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve_app.errors import responses_error_event
+from serve_app.front_door.answer_log.store import ResponseStore, StoredResponse, is_terminal
+
+Failure = tuple[int, str, str | None]  # an answer's end in error: status, message, code
+
+CANCELLED: Failure = (499, "the response was cancelled", "response_cancelled")
+REPLICA_LOST: Failure = (
+    503,
+    "the replica generating this response stopped before it ended; send the request again",
+    "replica_lost",
+)
+REPLICA_STOPPED: Failure = (
+    503,
+    "the replica that took this response stopped before it began; send the request again",
+    "replica_stopped",
+)
+
+
+async def finish(
+    store: ResponseStore,
+    response: dict[str, Any],
+    written: int,
+    final: dict[str, Any] | None,
+    failure: Failure | None,
+    error_logged: bool = False,
+) -> bool:
+    """End an answer's log and keep its last object: ``final`` (the answer's own end) or, on a
+    ``failure``, an error event (unless ``error_logged``: the answer's own stream logged it) and a
+    ``failed`` (``cancelled``) object. False when another writer ended it first."""
+    if final is not None and failure is None:
+        await store.update(str(response["id"]), final)
+        return True
+    status, message, code = failure or (500, "the answer ended without its final event", "internal_error")
+    if not error_logged:
+        event = responses_error_event(status, message, code, written).decode()
+        if not await store.append(str(response["id"]), written, event):
+            return False
+    ended = "cancelled" if (status, message, code) == CANCELLED else "failed"
+    await store.update(str(response["id"]), response | {"status": ended, "error": {"code": code, "message": message}})
+    return True
+
+
+async def end_if_orphaned(store: ResponseStore, found: StoredResponse) -> StoredResponse:
+    """A background answer whose producer's lease lapsed (its replica died) ended here, ``failed``
+    with :data:`REPLICA_LOST`, as a reader would end it; the response as it is after."""
+    response_id = str(found.response["id"])
+    if found.finished or not found.background or await store.leased(response_id):
+        return found
+    await finish(store, found.response, len(await store.read(response_id, -1, 0)), None, REPLICA_LOST)
+    return await store.load(response_id, found.owner) or found
+
+
+async def follow(store: ResponseStore, response: dict[str, Any], after: int, wait_s: float) -> AsyncIterator[str]:
+    """A background answer's events after ``after``: those logged, then each as it is logged, to
+    the last. If the log is quiet for ``wait_s`` and its producer's lease has lapsed, the answer
+    is ended here (:data:`REPLICA_LOST`), once for every reader."""
+    response_id = str(response["id"])
+    while True:
+        events = await store.read(response_id, after, wait_s)
+        for number, event in events:
+            yield event
+            after = number
+            if is_terminal(event):
+                return
+        if events or await store.leased(response_id):
+            continue
+        if not await store.exists(response_id):  # it expired, or was deleted, while read
+            yield responses_error_event(410, "the response is no longer stored", "response_gone", after + 1).decode()
+            return
+        logged = await store.read(response_id, -1, 0)
+        if logged and is_terminal(logged[-1][1]):
+            if logged[-1][0] <= after:  # it ended at or before ``after``: nothing more comes
+                return
+            continue  # another reader ended it just now: read its end
+        await finish(store, response, len(logged), None, REPLICA_LOST)
