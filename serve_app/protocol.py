@@ -116,9 +116,17 @@ class PickledRequest:
     def load(self) -> BaseModel:
         request = pickle.loads(self.data)
         request.priority = self.priority
+        request.stream = self.stream  # (a background answer's is streamed, whatever its client asked)
         if self.cache_salt is not None:
             request.cache_salt = self.cache_salt
         return request
+
+
+def streamed(request: GenerationRequest) -> GenerationRequest:
+    """``request`` as a stream (a background answer's, read event by event into its log)."""
+    if isinstance(request, PickledRequest):
+        return dataclasses.replace(request, stream=True)
+    return cast(GenerationRequest, cast(BaseModel, request).model_copy(update={"stream": True}))
 
 
 def with_priority(request: GenerationRequest, priority: int) -> GenerationRequest:

@@ -50,6 +50,7 @@ FIRST_MODULES = (
     "test_stored_responses",
     "test_tenant_cache",
     "test_fair_share",
+    "test_answers_as_work",
     "test_picker_keys",
     "test_rollout",
     "test_quantised_serving",

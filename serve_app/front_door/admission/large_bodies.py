@@ -71,6 +71,7 @@ CHECKER_PRELOAD = (
     "serve_app.vllm_internals",
     "vllm.entrypoints.openai.chat_completion.protocol",
     "vllm.entrypoints.openai.completion.protocol",
+    "vllm.entrypoints.openai.responses.protocol",
 )
 # What the front door checks or uses after validation (routing, output ceiling, choices, extensions, the
 # client's cache salt), copied out of the body; what the rest costs is measured there
@@ -87,13 +88,25 @@ CHECKED_FIELDS = (
 
 
 @dataclass(frozen=True)
+class StoredParts:
+    """What the Responses API's stored and background answers read of a request, beside what the engine
+    gets: the request (its flags, the object a background answer is kept as; its ``input`` emptied when
+    it was checked in the checker process) and its input as the items a later turn's history keeps
+    (None: made from the request when needed)."""
+
+    request: Any  # vLLM's ResponsesRequest
+    input_items: list[Any] | None = None
+
+
+@dataclass(frozen=True)
 class CheckedBody:
     """What the checker sends back: the fields the front door still needs, what the body's costs depend
-    on (measured there), and the request."""
+    on (measured there), and the request (with a Responses request, its stored parts, pickled)."""
 
     fields: dict[str, Any]
     request: PickledRequest
     size: BodySize
+    stored: bytes | None = None  # a pickled StoredParts
 
 
 ToJSON = Callable[[bytes], bytes]  # a request's bytes as the HTTP API's JSON (a gRPC message's); picklable
@@ -116,7 +129,19 @@ def check_body(request_model: type[BaseModel], raw: bytes, to_json: ToJSON | Non
         payload.request_id,
         bool(payload.stream),
     )
-    return CheckedBody({name: body[name] for name in CHECKED_FIELDS if name in body}, request, measure(body))
+    fields = {name: body[name] for name in CHECKED_FIELDS if name in body}
+    return CheckedBody(fields, request, measure(body), stored_parts(payload))
+
+
+def stored_parts(payload: Any) -> bytes | None:
+    """A Responses request's :class:`StoredParts`, made here (its input's items dumped as JSON, in
+    time that grows with them) and pickled small; None for any other request."""
+    if not hasattr(payload, "previous_response_id"):
+        return None
+    from serve_app.front_door.answer_log.history import request_input_items
+
+    parts = StoredParts(payload.model_copy(update={"input": []}), request_input_items(payload))
+    return pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _warm_up() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from serve_app.front_door.admission.capacity import SlotHold
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.admission.grammar_build import pickled
 from serve_app.front_door.admission.json_body import decode_body
-from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES, BodyChecker
+from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES, BodyChecker, StoredParts
 from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
 from serve_app.front_door.admission.rate_limits import AtKeyCap, KeyLease, KeyLimits
 from serve_app.front_door.admission.request_body import JSONBody, RequestBody
@@ -62,12 +63,23 @@ class BodyRules:
 @dataclass(frozen=True)
 class Admitted:
     """A request let through: the model that answers it, the request to send, the engine sequences
-    it starts, and whether it waits for its key's place (a background answer past its key's cap)."""
+    it starts, whether it waits for its key's place (a background answer past its key's cap), and,
+    for a Responses request, what its stored answer reads of it."""
 
     entry: ModelEntry[Any]
     payload: GenerationRequest
     sequences: int = 1
     waits_for_key: AtKeyCap | None = None
+    stored: StoredParts | None = None
+
+    @property
+    def background(self) -> bool:
+        return self.stored is not None and bool(self.stored.request.background)
+
+    @property
+    def kept(self) -> bool:
+        """Stored once answered (the Responses API's ``store``, its default)."""
+        return self.stored is not None and bool(self.stored.request.store)
 
 
 def validated(
@@ -109,6 +121,30 @@ async def build_grammar_first(
 Expand = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 EXPANDED_FIELD = b'"previous_response_id"'  # only a body naming it is expanded
 BACKGROUND_FIELD = b'"background"'  # only a body naming it may wait for its key's place
+# A Responses body of more JSON objects than this is checked in the checker process, whatever its
+# size: vLLM's model validates each input item, content part and tool in pure Python at tens of
+# microseconds each (docs/performance.md), so 8,000 small items in 240 KB held the event loop
+# half a second. Below it, a body's validation holds the loop a few milliseconds at most.
+RESPONSES_OBJECTS_IN_LINE = 128
+
+
+def checked_apart(body: RequestBody, endpoint: Endpoint) -> bool:
+    """Whether a body is checked in the checker process: past 256 KiB, or a Responses body of many
+    objects (counted in its bytes, in one pass)."""
+    if body.size > LARGE_BODY_BYTES:
+        return True
+    return endpoint.method == "responses" and body.json().count(b"{") > RESPONSES_OBJECTS_IN_LINE
+
+
+def objects_in(fields: dict[str, Any]) -> int:
+    """About how many JSON objects an expanded Responses body holds: its input's items and their
+    content parts, and its tools (what validation walks one by one)."""
+    items = fields.get("input")
+    count = len(fields.get("tools") or []) + 1
+    for item in items if isinstance(items, list) else ():
+        content = item.get("content") if isinstance(item, dict) else None
+        count += 1 + (len(content) if isinstance(content, list) else 0)
+    return count
 
 
 async def expanded_large_body(body: RequestBody, expand: Expand) -> RequestBody:
@@ -154,20 +190,27 @@ async def admit(
     # at its limit gets its 429 for the price of the limiter's answer.
     at_cap = await admit_key(rules, holdings, endpoint, body)
     payload: GenerationRequest
-    large = body.size > LARGE_BODY_BYTES
+    stored: StoredParts | None = None
+    large = checked_apart(body, endpoint)
     if large and expand is not None:
         body = await expanded_large_body(body, expand)
+    fields: dict[str, Any] = {}
+    if not large:
+        fields = decode_body(body.json())
+        if expand is not None and (expanded := await expand(fields)) is not fields:
+            fields = expanded
+            if objects_in(fields) > RESPONSES_OBJECTS_IN_LINE:  # a long history: checked apart, as a long body
+                body, large = JSONBody(await asyncio.to_thread(lambda: json.dumps(expanded).encode())), True
     if large:  # checked in another process: it would stall every stream here
         checked = await rules.body_checker.check(endpoint.request_model, *body.for_checker(), record.key_id)
         fields, payload, size = checked.fields, checked.request, checked.size
         entry = rules.models.entry_for(fields.get("model"))
         check_limits(fields, entry, settings, size)
+        stored = pickle.loads(checked.stored) if checked.stored is not None else None  # (small: no input)
     else:
-        fields = decode_body(body.json())
-        if expand is not None:
-            fields = await expand(fields)
         entry, payload, size = validated(rules, endpoint, fields)
-    if at_cap is not None and not getattr(payload, "background", False):
+        stored = StoredParts(payload) if endpoint.method == "responses" else None
+    if at_cap is not None and not (stored is not None and stored.request.background):
         raise at_cap  # (named "background" without asking for it)
     record.model = entry.name
     await build_grammar_first(rules, payload, size, record)
@@ -180,4 +223,4 @@ async def admit(
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
     if record.keep_content:
         record.request_body = fields if not large else await asyncio.to_thread(lambda: decode_body(body.json()))
-    return Admitted(entry, payload, sequences, at_cap)
+    return Admitted(entry, payload, sequences, at_cap, stored)

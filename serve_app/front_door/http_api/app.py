@@ -87,7 +87,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     stored = core.stored if endpoint.method == "responses" else None
     expand = stored.expand(stored_routes.owner_of(request)) if stored is not None else None
     admitted = await core.admit(permit, JSONBody(raw), endpoint, record, expand)
-    if stored is not None and getattr(admitted.payload, "store", False):
+    if stored is not None and admitted.kept:
         return await stored_routes.create(core, stored, permit, admitted, deadline, record)
     generation = core.generate(
         permit, admitted, endpoint.method, deadline, record, stored_routes.error_event_of(endpoint)

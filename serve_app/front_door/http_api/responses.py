@@ -53,6 +53,7 @@ from serve_app.front_door.core.generation import ErrorEvent, Generation, chat_er
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.telemetry.record import RequestRecord
+from serve_app.protocol import streamed
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -84,13 +85,12 @@ async def create(
     record: RequestRecord,
 ) -> Response:
     """Answer an admitted ``POST /v1/responses`` that is stored (the module's docstring)."""
-    payload: Any = admitted.payload
     owner = record.key_id if record.key_id is not None else NO_OWNER
-    if payload.background:
+    if admitted.background:
         return await create_background(core, stored, permit, admitted, owner)
 
     async def keep(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
-        await stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=False)
+        await stored.store.save(admitted.payload.request_id, owner, response, input_items(admitted), background=False)
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
     first = await generation.start()
@@ -108,11 +108,11 @@ async def create_background(
 ) -> Response:
     """Keep a background answer ``queued`` and start it under the request's permit (or, past its key's
     cap, once it waited for one); answer with its object, or follow its log (an open call's place)."""
-    payload: Any = admitted.payload
+    assert admitted.stored is not None
+    payload: Any = admitted.stored.request
     response = queued_response(payload, admitted.entry.name, admitted.entry.max_output_tokens)
-    keep = stored.store.save(payload.request_id, owner, response, request_input_items(payload), background=True)
-    streamed = payload.model_copy(update={"stream": True})
-    background = Admitted(admitted.entry, streamed, admitted.sequences)
+    keep = stored.store.save(payload.request_id, owner, response, input_items(admitted), background=True)
+    background = Admitted(admitted.entry, streamed(admitted.payload), admitted.sequences)
     record = RequestRecord("responses", request_id=payload.request_id, key_id=permit.key_id, stream=True)
 
     def generation_for(held: Permit, deadline: Deadline) -> Generation:
@@ -151,6 +151,14 @@ class FollowedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._open_calls.give_back(self._key_id)
+
+
+def input_items(admitted: Admitted) -> list[Any]:
+    """The request's input as a later turn's history keeps it (made in the checker for a body checked there)."""
+    assert admitted.stored is not None
+    if admitted.stored.input_items is not None:
+        return admitted.stored.input_items
+    return request_input_items(admitted.stored.request)
 
 
 async def kept_at_end(generation: Generation, keep: Any) -> AsyncIterator[str | bytes]:

@@ -147,6 +147,20 @@ AUTOSCALED = {
 # machine answers then took past the bed's 60 s request timeout (504). glm-rollout: 16 clients
 # stream through a rollout that lasts Serve's production drain (30 s) and more.
 SLOWER_STEPS = {"step_launch_ms": 20.0}
+# glm-keyed's autoscaling: Serve's autoscaler at one replica, no fewer, no more, reading its
+# replicas' reports each half second over a 2 s look-back, so that what it reads follows a load
+# within seconds (test_answers_as_work reads it), and the shipped target of 48 per replica.
+COUNTED = {
+    "min_replicas": 1,
+    "max_replicas": 1,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 2,
+    "target_ongoing_requests": 48,
+}
+# glm-keyed's idle Stream calls end after this (shipped: 300 s), so that a test sees it.
+IDLE_S = 5.0
+# glm-limited's background answers of one key waiting for its place, at most (shipped: 16).
+WAITING_PER_KEY = 3
 # prefix's store (test_stored_responses): a producer's lease of 2 s (shipped: 10 s), so that a
 # reader ends the answer of a killed replica within seconds; responses kept 10 s after their last
 # change (shipped: a day), so that the expiry test waits seconds.
@@ -176,10 +190,12 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
 
     - ``glm-keyed`` (``/keyed``): two API keys, and so fair share between them (test_fair_share),
       each one's prompts cached apart (test_tenant_cache) and each one's stored responses
-      (test_stored_responses);
+      (test_stored_responses); autoscaling held at one replica (COUNTED), its Stream calls idle
+      after IDLE_S (test_answers_as_work);
     - ``glm-limited`` (``/limited``): the same keys, each held to 2 requests at once by the
       rate limiter, one replica of it (test_fair_share), and trusting each other with the prefix
-      cache (test_tenant_cache);
+      cache (test_tenant_cache); at most WAITING_PER_KEY background answers of a key waiting for
+      its place (test_answers_as_work);
     - ``glm-rate-limited`` (``/rate-limited``): two model replicas answering clients, each key held
       to REQUESTS_PER_MINUTE and TOKENS_PER_MINUTE across both (test_rollout);
     - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, SLOWER_STEPS and
@@ -196,11 +212,16 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
       back within the test, and SLOWER_STEPS;
     """
     keyed = with_keys(variant("glm-keyed", "/keyed"), workdir / "keyed-keys", (FLOOD_KEY, LIGHT_KEY))
+    (model,) = keyed["args"]["models"]
+    del model["deployment"]["num_replicas"]
+    model["deployment"]["autoscaling_config"] = bed_autoscaling() | COUNTED
+    keyed["args"]["ingress"]["grpc_stream"] = {"idle_timeout_s": IDLE_S}
     limited = with_keys(variant("glm-limited", "/limited"), workdir / "limited-keys", (FLOOD_KEY, LIGHT_KEY))
     # (one limiter replica: its test needs no second, which tests/e2e/test_rollout.py proves on glm-rate-limited)
     limited["args"]["ingress"]["rate_limits"] = {"max_concurrent_requests": 2, "deployment": {"num_replicas": 1}}
     # (and its keys trust each other: they share the prefix cache, test_tenant_cache)
     limited["args"]["ingress"]["prefix_cache_per_key"] = False
+    limited["args"]["ingress"]["responses_store"] |= {"max_waiting_per_key": WAITING_PER_KEY}
     rate_limited = with_keys(variant("glm-rate-limited", "/rate-limited"), workdir / "rate-keys", LIMITED_KEYS)
     rate_limited["args"]["ingress"]["rate_limits"] = {
         "requests_per_minute": REQUESTS_PER_MINUTE,

@@ -123,6 +123,11 @@ class Multiplexed:
         await asyncio.wait_for(self._final.setdefault(stream_id, asyncio.Event()).wait(), within_s)
         return self.of(stream_id)[-1]
 
+    async def status(self) -> tuple[grpc.StatusCode, str]:
+        """The call's status once the server ended it (nothing is half-closed)."""
+        await self._reading
+        return await self.call.code(), await self.call.details()
+
     async def close(self) -> tuple[grpc.StatusCode, str]:
         """Half-close (no more requests), then the call's status once it ended."""
         with contextlib.suppress(asyncio.InvalidStateError):

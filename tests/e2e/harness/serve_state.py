@@ -395,3 +395,16 @@ def request_log_lines(
                 fields = json.loads('{"event":"request"' + payload)
                 lines[request_id + (f"/{fields['stream_id']}" if "stream_id" in fields else "")] = fields
     return lines
+
+
+async def autoscaling_total(deployment: DeploymentName) -> float:
+    """What Serve's autoscaler reads for the deployment now: its running and queued requests, as the
+    controller aggregated its replicas' reports over the look-back period (the number its default
+    policy divides by ``target_ongoing_requests``). Serve's controller's own testing read."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    deployment_id = DeploymentID(name=deployment.deployment_name, app_name=deployment.app_name)
+    return float(await controller._get_total_num_requests_for_deployment_for_testing.remote(deployment_id))

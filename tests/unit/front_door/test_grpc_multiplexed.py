@@ -191,6 +191,21 @@ async def test_a_client_that_does_not_read_holds_at_most_the_bound_of_responses(
     assert len(rest) + 1 == 20 and first.index == 0
 
 
+async def test_a_call_idle_past_its_idle_time_ends_and_one_running_a_request_does_not():
+    """No request running and no message for ``idle_timeout_s``: the call ends, saying why; a request
+    running longer than that keeps it open, and its end starts the idle time again."""
+    runner, client = Runner(), Client()
+    client.send(chat("hold-a", tokens=2))
+    call = MultiplexedCall(runner, GRPCStreamConfig(idle_timeout_s=0.2))
+    reading = asyncio.create_task(read_all(call, client))
+    await asyncio.sleep(0.5)  # (longer than the idle time, with a request running: still open)
+    assert not reading.done() and call.idled is None
+    runner.release.set()
+    responses = await asyncio.wait_for(reading, 5)  # (then idle: ended, the client never half-closed)
+    assert finals(responses)["hold-a"][0].completion_tokens == 2
+    assert call.idled is not None and "idle for 0.2 s" in call.idled
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_the_bounds_must_be_positive(bad):
     with pytest.raises(ValueError):
