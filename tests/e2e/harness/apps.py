@@ -152,6 +152,7 @@ SLOWER_STEPS = {"step_launch_ms": 20.0}
 # within seconds (test_answers_as_work reads it), and the shipped target of 48 per replica.
 COUNTED = {
     "min_replicas": 1,
+    "initial_replicas": 1,
     "max_replicas": 1,
     "metrics_interval_s": 0.5,
     "look_back_period_s": 2,
