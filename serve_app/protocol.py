@@ -3,7 +3,7 @@
 The front door calls the engine's ``chat`` or ``completion`` with a validated vLLM
 request (or, for a large body, a :class:`PickledRequest`) and the trace
 context. The replica answers every call with an async generator of
-:data:`Answer` items. Its first item decides the HTTP answer: a :class:`Reply`
+:data:`AnswerItem`s. Its first item decides the HTTP answer: a :class:`WholeAnswer`
 (a complete JSON body with its status: a unary response or an error found before
 any token) or the first piece of an SSE stream, already framed as
 ``data: ...\\n\\n`` by vLLM's serving code. The front door writes those bytes to the
@@ -35,7 +35,7 @@ class Outcome:
     """How an answer ended: its tokens and finish reasons, for token limits, metrics and logs.
 
     Every stream's last generator item, never written to the client; a unary
-    :class:`Reply` carries it. ``finish_reasons`` has one entry per choice that
+    :class:`WholeAnswer` carries it. ``finish_reasons`` has one entry per choice that
     finished (``stop``, ``length``, ``tool_calls``, ...).
     """
 
@@ -68,7 +68,7 @@ def empty_kind(
 
 
 @dataclasses.dataclass(frozen=True)
-class Reply:
+class WholeAnswer:
     """A complete (non-streamed) answer: HTTP status and JSON body."""
 
     status: int
@@ -77,11 +77,11 @@ class Reply:
     code: str | None = None  # an error's OpenAI ``code``, for the front door's record (retry, metrics)
 
     @classmethod
-    def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> Reply:
+    def error(cls, status: int, message: str, param: str | None = None, code: str | None = None) -> WholeAnswer:
         return cls(status, json.dumps(error_body(status, message, param, code)).encode(), code=code)
 
 
-Answer = Reply | str | Outcome  # what a replica's generator yields
+AnswerItem = WholeAnswer | str | Outcome  # what a replica's generator yields
 
 
 class GenerationRequest(Protocol):

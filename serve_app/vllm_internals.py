@@ -128,7 +128,7 @@ def wrap_engine_client(serving: Any, wrap: Callable[[Any], Any]) -> None:
 
 
 @contextlib.contextmanager
-def process_logging_kept() -> Iterator[None]:
+def process_logging_preserved() -> Iterator[None]:
     """Keep this process's log handlers writing while vLLM builds an engine.
 
     Building one configures vLLM's logging with ``logging.config.dictConfig``
@@ -283,7 +283,7 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int, not_in_text: str) -> A
     return _llguidance_tokenizers[key]
 
 
-def guidance_keeps_text_as_text(not_in_text: str) -> None:
+def guidance_reads_text_as_text(not_in_text: str) -> None:
     """Make vLLM's guidance backend, and its validation of requests, use :func:`llguidance_tokenizer`
     with special tokens' text prefixed by ``not_in_text``.
 
@@ -294,7 +294,7 @@ def guidance_keeps_text_as_text(not_in_text: str) -> None:
     from vllm.utils.mistral import is_mistral_tokenizer
     from vllm.v1.structured_output.backend_guidance import GuidanceBackend
 
-    if getattr(GuidanceBackend._build_ll_tokenizer, "keeps_text_as_text", False):
+    if getattr(GuidanceBackend._build_ll_tokenizer, "reads_text_as_text", False):
         return  # (vLLM loads its plugins more than once in a process)
     vllm_builder = GuidanceBackend.__dict__["_build_ll_tokenizer"].__func__
     vllm_validation_tokenizer = vllm.sampling_params._get_llg_tokenizer
@@ -309,7 +309,7 @@ def guidance_keeps_text_as_text(not_in_text: str) -> None:
             return vllm_validation_tokenizer(tokenizer)
         return llguidance_tokenizer(tokenizer, len(tokenizer), not_in_text)
 
-    build.keeps_text_as_text = True  # type: ignore[attr-defined]
+    build.reads_text_as_text = True  # type: ignore[attr-defined]
     GuidanceBackend._build_ll_tokenizer = staticmethod(build)
     vllm.sampling_params._get_llg_tokenizer = validation_tokenizer
 

@@ -42,7 +42,7 @@ from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService, GRPCContext
 from serve_app.front_door.http_api.app import build_http_app
 from serve_app.front_door.telemetry.metrics import ServingMetrics
-from serve_app.protocol import Answer
+from serve_app.protocol import AnswerItem
 from serve_app.serve_internals import AUTOSCALING_COUNT, ignore_client_control_headers, replica_states
 
 
@@ -178,19 +178,19 @@ class ModelServer:
     # The engine, called through handles: by another replica's front door (this replica answers
     # in its place, or the picker named it), by operators and tests, and by Serve's health check.
 
-    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[Answer, None]:
+    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[AnswerItem, None]:
         async for item in self.engine.chat(request, trace_context):
             yield item
 
     async def completion(
         self, request: Any, trace_context: dict[str, str] | None = None
-    ) -> AsyncGenerator[Answer, None]:
+    ) -> AsyncGenerator[AnswerItem, None]:
         async for item in self.engine.completion(request, trace_context):
             yield item
 
     async def responses(
         self, request: Any, trace_context: dict[str, str] | None = None
-    ) -> AsyncGenerator[Answer, None]:
+    ) -> AsyncGenerator[AnswerItem, None]:
         async for item in self.engine.responses(request, trace_context):
             yield item
 

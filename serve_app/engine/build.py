@@ -50,7 +50,7 @@ def engine_config(model: ModelConfig) -> EngineConfig:
     if model.simulated_engine is not None:  # every response says it is simulated
         frontend_kwargs |= {"fingerprint_mode": "custom", "fingerprint_value": SIMULATED_FINGERPRINT}
     engine_args = AsyncEngineArgs(**engine_kwargs, served_model_name=[model.name])
-    with vllm_internals.process_logging_kept():  # (vLLM configures its logging here too)
+    with vllm_internals.process_logging_preserved():  # (vLLM configures its logging here too)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     # "auto" may resolve to float16 on GPUs without bfloat16; refuse before loading.
     check_dtype(vllm_config.model_config.dtype)
@@ -75,7 +75,7 @@ def build_engine(config: EngineConfig, stat_loggers: list[Any] | None = None) ->
         disable_log_stats=config.engine_args.disable_log_stats,
     )
     simulated = config.model.simulated_engine
-    with vllm_internals.process_logging_kept():  # (vLLM configures logging as it builds one)
+    with vllm_internals.process_logging_preserved():  # (vLLM configures logging as it builds one)
         if simulated is None:
             return AsyncLLM.from_vllm_config(vllm_config=config.vllm_config, **options)
         return simulated_async_llm(config.vllm_config, simulated, **options)

@@ -36,7 +36,7 @@ from serve_app.engine.stream_transforms import (
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
-from serve_app.protocol import Answer, Outcome, PickledRequest, Reply, empty_kind, is_error_event
+from serve_app.protocol import AnswerItem, Outcome, PickledRequest, WholeAnswer, empty_kind, is_error_event
 
 if TYPE_CHECKING:
     from serve_app.simulated_engine.core import SimulatedEngineCore
@@ -106,28 +106,28 @@ class EngineServer:
             state.stop_token_ids,
         )
 
-    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[Answer, None]:
+    async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[AnswerItem, None]:
         """Answer a validated ``ChatCompletionRequest``; ``trace_context`` continues the front door's trace."""
         async for item in self._answer("chat", self.chat_serving.create_chat_completion, request, trace_context):
             yield item
 
     async def completion(
         self, request: Any, trace_context: dict[str, str] | None = None
-    ) -> AsyncGenerator[Answer, None]:
+    ) -> AsyncGenerator[AnswerItem, None]:
         """Answer a validated ``CompletionRequest``; ``trace_context`` continues the front door's trace."""
         async for item in self._answer("completion", self.completion_serving.create_completion, request, trace_context):
             yield item
 
     async def responses(
         self, request: Any, trace_context: dict[str, str] | None = None
-    ) -> AsyncGenerator[Answer, None]:
+    ) -> AsyncGenerator[AnswerItem, None]:
         """Answer a validated ``ResponsesRequest`` (OpenAI's Responses API); ``trace_context`` as for chat."""
         async for item in self._answer("responses", self.responses_serving.create_responses, request, trace_context):
             yield item
 
     async def _answer(
         self, endpoint: str, create: Any, request: Any, trace_context: dict[str, str] | None
-    ) -> AsyncIterator[Answer]:
+    ) -> AsyncIterator[AnswerItem]:
         if isinstance(request, PickledRequest):  # a large body, validated in the front door's checker process
             request = request.load()
         span = tracing.start_engine_span(
@@ -153,8 +153,8 @@ class EngineServer:
             finally:
                 _close_engine_span(span, outcome, first_at - started if first_at is not None else None)
 
-    async def _generate(self, create: Any, request: Any, responses: bool = False) -> AsyncIterator[Answer]:
-        """vLLM's answer as a :class:`Reply` or SSE chunks; a stream ends with its :class:`Outcome`.
+    async def _generate(self, create: Any, request: Any, responses: bool = False) -> AsyncIterator[AnswerItem]:
+        """vLLM's answer as a :class:`WholeAnswer` or SSE chunks; a stream ends with its :class:`Outcome`.
 
         ``responses``: a Responses API request, whose stream vLLM gives as event objects
         (:mod:`serve_app.engine.responses_stream`)."""
@@ -182,13 +182,13 @@ class EngineServer:
             yield (
                 _engine_failed()
                 if self.watch.failed
-                else Reply.error(result.error.code, result.error.message, result.error.param)
+                else WholeAnswer.error(result.error.code, result.error.message, result.error.param)
             )
         elif isinstance(result, BaseModel):
             if echo is not None:
                 echo.apply(result)
             outcome = response_outcome(result) if responses else _outcome_of(result)
-            yield Reply(200, result.model_dump_json(by_alias=responses).encode(), outcome)
+            yield WholeAnswer(200, result.model_dump_json(by_alias=responses).encode(), outcome)
         else:
             if framed is not None:
                 events = framed.frames(result)
@@ -333,10 +333,10 @@ def _close_engine_span(span: Any, outcome: Outcome | None, ttft_s: float | None)
     span.end()
 
 
-def _unavailable() -> Reply:
+def _unavailable() -> WholeAnswer:
     """Refused before the engine saw it (the engine was already dead): the front door sends it
     again, and this replica exits within seconds, so the retry lands on another (EngineWatch)."""
-    return Reply.error(503, "the model engine on this replica died; retry shortly", code=UNAVAILABLE)
+    return WholeAnswer.error(503, "the model engine on this replica died; retry shortly", code=UNAVAILABLE)
 
 
 _ENGINE_FAILED_ERROR = (
@@ -347,8 +347,8 @@ _ENGINE_FAILED_ERROR = (
 )
 
 
-def _engine_failed() -> Reply:
+def _engine_failed() -> WholeAnswer:
     """The engine died while it held this request. The request may be what killed it (vLLM
     has had inputs that crash it), so it is answered, once, and never sent to another replica."""
     status, message, code = _ENGINE_FAILED_ERROR
-    return Reply.error(status, message, code=code)
+    return WholeAnswer.error(status, message, code=code)

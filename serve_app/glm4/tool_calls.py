@@ -137,9 +137,9 @@ class ToolCallStream:
                 events.append(pending[:sep_at])
                 self._end_turn(sep_at)
                 return True
-            keep = self._separator_prefix_len(pending)
-            events.append(pending[: len(pending) - keep])
-            self._pending = pending[len(pending) - keep :]
+            held_back = self._separator_prefix_len(pending)
+            events.append(pending[: len(pending) - held_back])
+            self._pending = pending[len(pending) - held_back :]
             return False
         # state "call": the call ends with its turn
         if sep_at >= 0:

@@ -17,4 +17,4 @@ from serve_app.glm4.control_tokens import CONTROL_MARK
 
 def register() -> None:
     """Make vLLM's guidance backend, and its validation of requests, keep text as text."""
-    vllm_internals.guidance_keeps_text_as_text(CONTROL_MARK)
+    vllm_internals.guidance_reads_text_as_text(CONTROL_MARK)

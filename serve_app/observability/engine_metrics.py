@@ -3,7 +3,7 @@
 vLLM's ``RayPrometheusStatLogger`` sets its gauges (requests running and
 waiting, KV cache usage) after each engine step, so they stop being set when the
 engine is idle and Ray drops their series (:mod:`serve_app.observability.gauges`).
-Here the logger's gauges set through this process's :class:`KeptGauges`, and
+Here the logger's gauges set through this process's :class:`RefreshedGauges`, and
 start at 0 before the engine's first step, as do its prefix-cache counters (a
 hit rate of 0 is a value, not "no data"); the reach into vLLM's metrics is
 :func:`serve_app.vllm_internals.ray_stat_logger`.
@@ -16,17 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 from serve_app import vllm_internals
-from serve_app.observability.gauges import kept_gauges
+from serve_app.observability.gauges import refreshed_gauges
 from serve_app.serve_internals import start_at_zero
 
 
 def engine_stat_logger() -> type:
     """vLLM's Ray stat logger whose gauges keep their last value (exported as ``ray_vllm_*``)."""
 
-    def set_kept(metric: Any, value: float, tags: dict[str, str]) -> None:
-        kept_gauges().set(metric, value, tags)
+    def set_refreshed(metric: Any, value: float, tags: dict[str, str]) -> None:
+        refreshed_gauges().set(metric, value, tags)
 
-    return vllm_internals.ray_stat_logger(set_kept, start_at_zero)
+    return vllm_internals.ray_stat_logger(set_refreshed, start_at_zero)
 
 
 ENGINE_INFO = "glm4_serve_engine_info"  # exported as ray_glm4_serve_engine_info
@@ -55,4 +55,4 @@ def report_engine_info(model: str, vllm_config: Any) -> None:
         "1 for each model replica, tagged with its engine's dtype, weight quantization and KV cache dtype.",
         tag_keys=("model", "dtype", "quantization", "kv_cache_dtype"),
     )
-    kept_gauges().set(gauge, 1, engine_info_tags(model, vllm_config))
+    refreshed_gauges().set(gauge, 1, engine_info_tags(model, vllm_config))

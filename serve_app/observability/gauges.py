@@ -5,7 +5,7 @@ two export intervals (20 s with Ray's default ``metrics_report_interval_ms`` of 
 an idle replica's "0 requests running" vanished from the scrape, so a dashboard
 showed "No data" and an alert could not tell 0 from a missing replica.
 
-:class:`KeptGauges` remembers the last value set for each gauge and tag set and
+:class:`RefreshedGauges` remembers the last value set for each gauge and tag set and
 sets them all again every fifth of the export interval (:func:`refresh_interval_s`) from a
 daemon thread, for as long as
 the process lives. A replica that is gone stops reporting, and its series age
@@ -34,7 +34,7 @@ class Gauge(Protocol):
     def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
 
 
-class KeptGauges:
+class RefreshedGauges:
     """Sets gauges and keeps setting them to their last value."""
 
     def __init__(self, refresh_s: float | None = None) -> None:
@@ -49,7 +49,7 @@ class KeptGauges:
             self._last[id(gauge), frozenset(tags.items())] = (gauge, value, tags)
             gauge.set(value, tags=tags)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kept-gauges", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="refreshed-gauges", daemon=True)
                 self._thread.start()
 
     def refresh(self) -> None:
@@ -66,9 +66,9 @@ class KeptGauges:
             self.refresh()
 
 
-_process_gauges = KeptGauges()
+_process_gauges = RefreshedGauges()
 
 
-def kept_gauges() -> KeptGauges:
+def refreshed_gauges() -> RefreshedGauges:
     """This process's keeper: the front door's gauges and the engine's share one thread."""
     return _process_gauges

@@ -8,7 +8,7 @@ Runs in each ReplicaPicker replica, with the router.
 
 from __future__ import annotations
 
-from serve_app.observability.gauges import KeptGauges, kept_gauges
+from serve_app.observability.gauges import RefreshedGauges, refreshed_gauges
 from serve_app.routing.prefix_table import Decision
 from serve_app.serve_internals import start_at_zero
 
@@ -27,7 +27,7 @@ class PrefixRoutingMetrics:
 
     DECISIONS = tuple(decision.value for decision in Decision)
 
-    def __init__(self, model: str, gauges: KeptGauges | None = None) -> None:
+    def __init__(self, model: str, gauges: RefreshedGauges | None = None) -> None:
         from ray.serve.metrics import Counter, Gauge
 
         self._model = {"model": model}
@@ -41,7 +41,7 @@ class PrefixRoutingMetrics:
             "Prompt-prefix blocks the router remembers replicas for (bounded by prefix_routing.max_blocks).",
             tag_keys=("model",),
         )
-        self._gauges = gauges or kept_gauges()
+        self._gauges = gauges or refreshed_gauges()
         for decision in self.DECISIONS:
             start_at_zero(self.decisions, self._model | {"decision": decision})
         self._gauges.set(self.blocks, 0, self._model)

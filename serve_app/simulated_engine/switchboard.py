@@ -26,14 +26,14 @@ from serve_app.simulated_engine.controls import Control, EngineState
 
 NAME = "glm4-serve-simulation-switchboard"
 NAMESPACE = "glm4-serve"
-REPLY_TIMEOUT_S = 30.0  # a replica applies a control at once; longer means it is gone
+ACK_TIMEOUT_S = 30.0  # a replica applies a control at once; longer means it is gone
 
 logger = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
 class Posted:
-    """A control posted for one replica, numbered so that its reply finds its poster."""
+    """A control posted for one replica, numbered so that its ack finds its poster."""
 
     number: int
     control: str
@@ -45,7 +45,7 @@ class Switchboard:
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Posted]] = {}
-        self._replies: dict[int, asyncio.Future[EngineState]] = {}
+        self._acks: dict[int, asyncio.Future[EngineState]] = {}
         self._numbers = 0
 
     def _queue(self, replica: str) -> asyncio.Queue[Posted]:
@@ -55,22 +55,22 @@ class Switchboard:
         """Have ``replica`` apply ``control``; its engine's state after it (or the replica's error)."""
         self._numbers += 1
         number = self._numbers
-        reply: asyncio.Future[EngineState] = asyncio.get_running_loop().create_future()
-        self._replies[number] = reply
+        ack: asyncio.Future[EngineState] = asyncio.get_running_loop().create_future()
+        self._acks[number] = ack
         self._queue(replica).put_nowait(Posted(number, control, pace))
         try:
-            return await asyncio.wait_for(reply, REPLY_TIMEOUT_S)
+            return await asyncio.wait_for(ack, ACK_TIMEOUT_S)
         except TimeoutError:
-            raise TimeoutError(f"replica {replica} did not apply {control!r} within {REPLY_TIMEOUT_S:g} s") from None
+            raise TimeoutError(f"replica {replica} did not apply {control!r} within {ACK_TIMEOUT_S:g} s") from None
         finally:
-            self._replies.pop(number, None)
+            self._acks.pop(number, None)
 
     async def next_for(self, replica: str) -> Posted:
         """The next control posted for ``replica`` (a replica's long poll)."""
         return await self._queue(replica).get()
 
-    def reply(self, number: int, state: EngineState | None, error: str | None = None) -> None:
-        future = self._replies.get(number)
+    def acknowledge(self, number: int, state: EngineState | None, error: str | None = None) -> None:
+        future = self._acks.get(number)
         if future is None or future.done():  # (its poster gave up)
             return
         if state is None:
@@ -103,4 +103,4 @@ async def follow(replica: str, apply: Callable[[Control, float | None], EngineSt
             state, error = apply(Control(posted.control), posted.pace), None
         except ValueError as exc:  # an unknown control, a bad pace
             state, error = None, str(exc)
-        await board.reply.remote(posted.number, state, error)
+        await board.acknowledge.remote(posted.number, state, error)

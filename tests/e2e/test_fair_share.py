@@ -33,7 +33,7 @@ import yaml
 from serve_app.front_door.telemetry import metrics
 from tests.e2e.harness.apps import FLOOD_KEY, LIGHT_KEY, application
 from tests.e2e.harness.bodies import chat
-from tests.e2e.harness.serve_state import only_one_running, serve_deploy_kept
+from tests.e2e.harness.serve_state import only_one_running, serve_deploy_preserving
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, increase, scrape, settled
 from tests.waiting import wait_until
@@ -138,7 +138,7 @@ async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_with
     unplaceable = tmp_path / "limiter-unplaceable.yaml"
     unplaceable.write_text(yaml.safe_dump(config, sort_keys=False))
     # The application is this test's own: it stays so (no test uses it after).
-    await serve_deploy_kept(unplaceable, bed.app.config_path, cluster)
+    await serve_deploy_preserving(unplaceable, bed.app.config_path, cluster)
 
     async def replaced() -> bool:
         return await only_one_running(bed.model) and not set(await bed.engines.replicas()) & before

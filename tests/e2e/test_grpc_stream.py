@@ -98,7 +98,7 @@ async def test_a_kept_request_cancelled_on_its_call_ends_cancelled_and_so_does_i
     the engine, its final on the call is CANCELLED, and ``Resume`` reads the same end from its log."""
     await bed.engines.control_all(Control.PACE, SLOW)
     call = Multiplexed(stub)
-    await call.send(pb.StreamRequest(id="kept", keep=True, chat=grpc_chat(bed.app.model, 40, ignore_eos=True)))
+    await call.send(pb.StreamRequest(id="kept", store=True, chat=grpc_chat(bed.app.model, 40, ignore_eos=True)))
     await bed.engines.wait_until_holding(1, within_s=30)
     await call.send(pb.StreamRequest(id="kept", cancel=pb.Cancel()))
     await bed.engines.wait_until_holding(0, within_s=30)

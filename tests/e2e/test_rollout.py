@@ -38,7 +38,7 @@ from tests.e2e.harness.serve_state import (
     live_replicas,
     only_one_running,
     replica_states,
-    serve_deploy_kept,
+    serve_deploy_preserving,
 )
 from tests.e2e.harness.simulation import ready_bed
 from tests.e2e.harness.sse import Stream, post_stream
@@ -107,7 +107,7 @@ async def test_turning_api_keys_on_rolls_out_without_cutting_a_stream(variants, 
         old_pickers = set(await live_replicas(picker))
         try:
             started = time.monotonic()
-            await serve_deploy_kept(keyed, app.config_path, cluster)  # the application is this test's own
+            await serve_deploy_preserving(keyed, app.config_path, cluster)  # the application is this test's own
             # A replacement starts next to the old replica (max_surge_percent), then the old one drains
             # (as long as the long answers last: its graceful_shutdown_timeout_s allows them).
             await wait_until(lambda: _replacing(model), 60, "replacing the replica")

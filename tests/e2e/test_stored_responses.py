@@ -36,7 +36,7 @@ from tests.e2e.harness.serve_state import (
     haproxy_server_addresses,
     haproxy_servers_up,
     only_one_running,
-    serve_deploy_kept,
+    serve_deploy_preserving,
 )
 from tests.e2e.harness.simulation import Bed, ready_bed
 from tests.waiting import wait_until
@@ -139,7 +139,7 @@ async def test_a_kept_grpc_answer_resumes_through_the_other_replica(stored, ray_
     async with grpc.aio.insecure_channel(one) as grpc_channel:
         call = Multiplexed(pb_grpc.GenerationStub(grpc_channel))
         request = grpc_chat(stored.app.model, TOKENS, ignore_eos=True)
-        await call.send(pb.StreamRequest(id="story", keep=True, chat=request))
+        await call.send(pb.StreamRequest(id="story", store=True, chat=request))
         await wait_until(lambda: len(call.responses) >= 8, 60, "8 responses of the kept request")
         call.call.cancel()
     seen = list(call.responses)
@@ -264,7 +264,7 @@ async def test_a_replica_stopped_by_scale_in_finishes_its_background_answers(sto
     async with stored.engines.paused():
         ids = [await background(sdk(url), stored.app.model) for url in urls]
         await stored.engines.wait_until_holding(2, within_s=30)
-        await serve_deploy_kept(scaled_in, stored.app.config_path, cluster)
+        await serve_deploy_preserving(scaled_in, stored.app.config_path, cluster)
 
         async def one_stopping() -> bool:
             status = await deployment_status(stored.model)

@@ -123,3 +123,44 @@ def test_every_modules_docstring_says_which_process_runs_it() -> None:
         if not RUNS_IN.search(ast.get_docstring(ast.parse(path.read_text())) or "")
     )
     assert not silent, "modules whose docstring does not say where they run:\n" + "\n".join(silent)
+
+
+# Words the glossary retired (docs/architecture.md, "Words"): a whole answer is no "reply", and what
+# the answer log holds is "stored", never "kept". Matched as parts of identifiers (snake or camel case).
+RETIRED_WORDS = frozenset({"reply", "replies", "kept", "keep", "keeps", "keeping"})
+
+
+def identifier_words(name: str) -> set[str]:
+    return {part for part in re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower().split("_") if part}
+
+
+def names_in(tree: ast.AST) -> set[str]:
+    """Every name a module defines or reads: variables, attributes, functions, classes, arguments, keywords."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.add(node.arg)
+    return found
+
+
+def test_no_identifier_uses_a_word_the_glossary_retired() -> None:
+    wrong = sorted(
+        f"{path.relative_to(PACKAGE.parent)}: {name}"
+        for path in modules().values()
+        for name in names_in(ast.parse(path.read_text()))
+        if identifier_words(name) & RETIRED_WORDS
+    )
+    assert not wrong, "identifiers with a retired word (docs/architecture.md, Words):\n" + "\n".join(wrong)
+
+
+def test_the_retired_words_are_found_in_both_cases() -> None:
+    assert identifier_words("kept_answers") & RETIRED_WORDS and identifier_words("KeptGauges") & RETIRED_WORDS
+    assert not identifier_words("bookkeeping") & RETIRED_WORDS and not identifier_words("WholeAnswer") & RETIRED_WORDS

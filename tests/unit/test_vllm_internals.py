@@ -126,7 +126,7 @@ def test_the_guidance_plugin_is_registered_with_vllm_and_replaces_both_of_its_to
     vllm_plugin.register()
     build = GuidanceBackend._build_ll_tokenizer
     vllm_plugin.register()  # twice, as vLLM may: one wrapping, not two
-    assert GuidanceBackend._build_ll_tokenizer is build and getattr(build, "keeps_text_as_text", False)
+    assert GuidanceBackend._build_ll_tokenizer is build and getattr(build, "reads_text_as_text", False)
     assert vllm.sampling_params._get_llg_tokenizer.__module__ == "serve_app.vllm_internals"
 
 
@@ -134,7 +134,7 @@ def test_a_memory_handler_keeps_writing_after_vllm_configures_its_logging(tmp_pa
     """vLLM configures its logging when it builds an engine (AsyncLLM and the engine config call
     ``configure_logging_if_needed``), and that closes every handler in the process: a
     MemoryHandler, what Serve writes a replica's log through, loses its target. Inside
-    ``process_logging_kept`` it gets it back, and the next line reaches the file."""
+    ``process_logging_preserved`` it gets it back, and the next line reaches the file."""
     import logging.handlers
 
     from vllm.config.logging import LoggingConfig
@@ -156,7 +156,7 @@ def test_a_memory_handler_keeps_writing_after_vllm_configures_its_logging(tmp_pa
     assert "lost" not in unkept_path.read_text()
 
     kept, kept_handler, kept_path = memory_logger("kept")
-    with vllm_internals.process_logging_kept():
+    with vllm_internals.process_logging_preserved():
         configure_logging(LoggingConfig())
     kept.info("the request log line")
     assert kept_handler.target is not None and "the request log line" in kept_path.read_text()

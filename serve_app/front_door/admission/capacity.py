@@ -22,7 +22,7 @@ that one key's flood cannot make another key wait behind it or be refused with i
   rank (then by arrival): a key holding fewer requests goes ahead of one holding more, so
   a key sending one request at a time waits about one slot's turnover, whatever another
   key holds;
-- the last places (``kept``) go only to keys holding fewer than their part of them, so a
+- the last places (``reserved``) go only to keys holding fewer than their part of them, so a
   key with nothing here still finds a place when another key has filled the rest; a key
   refused for that gets 429 ``fair_share_exceeded`` with ``Retry-After``.
 
@@ -46,12 +46,12 @@ from serve_app.front_door.telemetry.record import RequestRecord
 class FairShare:
     """The rule for the last places of a replica: pure arithmetic, see the module's docstring.
 
-    ``kept`` places of ``limit`` are kept: once only those are free, a key takes one only
-    while it holds fewer than ``kept / (other keys holding places + 1)``.
+    ``reserved`` places of ``limit`` are held back: once only those are free, a key takes one only
+    while it holds fewer than ``reserved / (other keys holding places + 1)``.
     """
 
     limit: int
-    kept: int
+    reserved: int
 
     @classmethod
     def for_replica(cls, limit: int, runs_at_once: int) -> FairShare:
@@ -59,13 +59,13 @@ class FairShare:
         return cls(limit, max(0, min(runs_at_once, (limit - runs_at_once) // 2)))
 
     def allowance(self, other_keys: int) -> int:
-        """How many places a key may hold and still take a kept one, with ``other_keys`` holding places."""
-        return max(1, self.kept // (other_keys + 1))
+        """How many places a key may hold and still take a reserved one, with ``other_keys`` holding places."""
+        return max(1, self.reserved // (other_keys + 1))
 
     def admits(self, held: int, key_held: int, other_keys: int, places: int = 1) -> bool:
         """Whether a key holding ``key_held`` of the replica's ``held`` places may take ``places`` more
         (``held + places`` at most ``limit``: a full replica refuses everyone)."""
-        return self.limit - held - places >= self.kept or key_held + places <= self.allowance(other_keys)
+        return self.limit - held - places >= self.reserved or key_held + places <= self.allowance(other_keys)
 
 
 class KeyRanks:
@@ -128,7 +128,7 @@ class GenerationSlots:
     def take(self, record: RequestRecord | None = None, key_id: str | None = None, places: int = 1) -> int:
         """Take ``places`` for a request of ``key_id``; return its rank (:class:`KeyRanks`; 0 without
         fair share or a key). Raises the 429 ``overloaded`` APIError when they are not free,
-        ``fair_share_exceeded`` when only kept places are and the key holds its part, with
+        ``fair_share_exceeded`` when only reserved places are and the key holds its part, with
         ``record`` (the request's) counted against this replica's model."""
         self._check_free(record, key_id, places)
         self.held += places

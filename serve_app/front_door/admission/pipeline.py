@@ -77,7 +77,7 @@ class Admitted:
         return self.stored is not None and bool(self.stored.request.background)
 
     @property
-    def kept(self) -> bool:
+    def to_store(self) -> bool:
         """Stored once answered (the Responses API's ``store``, its default)."""
         return self.stored is not None and bool(self.stored.request.store)
 
@@ -221,6 +221,6 @@ async def admit(
     if settings.isolate_prefix_cache and record.key_id is not None:
         payload = with_cache_salt(payload, key_cache_salt(record.key_id, fields.get("cache_salt")))
     record.request_id, record.stream = payload.request_id, bool(payload.stream)
-    if record.keep_content:
+    if record.log_content:
         record.request_body = fields if not large else await asyncio.to_thread(lambda: decode_body(body.json()))
     return Admitted(entry, payload, sequences, at_cap, stored)

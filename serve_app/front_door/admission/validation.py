@@ -178,7 +178,7 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 def parameter_path(loc: tuple[int | str, ...]) -> str:
     """``messages.0.content`` from a pydantic location, without union branch names."""
-    kept = [
+    named = [
         str(part) for part in loc if isinstance(part, int) or (_PARAM_SEGMENT.match(part) and part not in _TYPE_NAMES)
     ]
-    return ".".join(kept)
+    return ".".join(named)

@@ -21,7 +21,7 @@ from serve_app.front_door.answer_log.store import StoredResponse
 
 
 @dataclass
-class _Kept:
+class _Stored:
     owner: str
     response: dict[str, Any]
     input_items: list[Any]
@@ -39,57 +39,57 @@ class MemoryStore:
     def __init__(self, ttl_s: float, max_per_key: int) -> None:
         self.ttl_s = ttl_s
         self.max_per_key = max_per_key
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # oldest change first
+        self._stored: OrderedDict[str, _Stored] = OrderedDict()  # oldest change first
         self._owned: dict[str, OrderedDict[str, None]] = {}
         self._cancels: asyncio.Queue[str] = asyncio.Queue()
         self._leases: dict[str, float] = {}  # response id -> until when its producer holds it
 
-    def _get(self, response_id: str) -> _Kept | None:
+    def _get(self, response_id: str) -> _Stored | None:
         self._expire()
-        return self._kept.get(response_id)
+        return self._stored.get(response_id)
 
-    def _touch(self, response_id: str, kept: _Kept) -> None:
-        kept.expires_at = time.monotonic() + self.ttl_s
-        self._kept.move_to_end(response_id)
+    def _touch(self, response_id: str, stored: _Stored) -> None:
+        stored.expires_at = time.monotonic() + self.ttl_s
+        self._stored.move_to_end(response_id)
 
     def _expire(self) -> None:
         now = time.monotonic()
-        while self._kept:
-            response_id, kept = next(iter(self._kept.items()))
-            if kept.expires_at > now:
+        while self._stored:
+            response_id, stored = next(iter(self._stored.items()))
+            if stored.expires_at > now:
                 return
             self._remove(response_id)
 
     def _remove(self, response_id: str) -> None:
-        kept = self._kept.pop(response_id, None)
-        if kept is not None:
-            self._owned.get(kept.owner, OrderedDict()).pop(response_id, None)
-            kept.grew.set()  # a reader waiting on it reads (nothing) and finds it gone
+        stored = self._stored.pop(response_id, None)
+        if stored is not None:
+            self._owned.get(stored.owner, OrderedDict()).pop(response_id, None)
+            stored.grew.set()  # a reader waiting on it reads (nothing) and finds it gone
 
     async def save(
         self, response_id: str, owner: str, response: dict[str, Any], input_items: list[Any], background: bool
     ) -> None:
         self._expire()
-        self._kept[response_id] = _Kept(owner, response, input_items, background, time.monotonic() + self.ttl_s)
+        self._stored[response_id] = _Stored(owner, response, input_items, background, time.monotonic() + self.ttl_s)
         owned = self._owned.setdefault(owner, OrderedDict())
         owned[response_id] = None
         while len(owned) > self.max_per_key:
             self._remove(next(iter(owned)))
 
     async def update(self, response_id: str, response: dict[str, Any]) -> None:
-        if (kept := self._get(response_id)) is not None:
-            kept.response = response
-            self._touch(response_id, kept)
+        if (stored := self._get(response_id)) is not None:
+            stored.response = response
+            self._touch(response_id, stored)
 
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
-        kept = self._get(response_id)
-        if kept is None or kept.owner != owner:
+        stored = self._get(response_id)
+        if stored is None or stored.owner != owner:
             return None
-        return StoredResponse(kept.response, kept.owner, kept.background)
+        return StoredResponse(stored.response, stored.owner, stored.background)
 
     async def input_items(self, response_id: str) -> list[Any]:
-        kept = self._get(response_id)
-        return list(kept.input_items) if kept is not None else []
+        stored = self._get(response_id)
+        return list(stored.input_items) if stored is not None else []
 
     async def exists(self, response_id: str) -> bool:
         return self._get(response_id) is not None
@@ -98,33 +98,33 @@ class MemoryStore:
         self._remove(response_id)
 
     async def append(self, response_id: str, sequence_number: int, event: str) -> bool:
-        kept = self._get(response_id)
-        if kept is None or sequence_number != len(kept.events):
+        stored = self._get(response_id)
+        if stored is None or sequence_number != len(stored.events):
             return False
-        kept.events.append(event)
-        self._touch(response_id, kept)
-        kept.grew.set()
-        kept.grew = asyncio.Event()
+        stored.events.append(event)
+        self._touch(response_id, stored)
+        stored.grew.set()
+        stored.grew = asyncio.Event()
         return True
 
     async def read(self, response_id: str, after: int, wait_s: float) -> list[tuple[int, str]]:
-        kept = self._get(response_id)
-        if kept is None:
+        stored = self._get(response_id)
+        if stored is None:
             return []
-        if len(kept.events) <= after + 1:
+        if len(stored.events) <= after + 1:
             try:
-                await asyncio.wait_for(kept.grew.wait(), wait_s)
+                await asyncio.wait_for(stored.grew.wait(), wait_s)
             except TimeoutError:
                 return []
-        return [(n, kept.events[n]) for n in range(after + 1, len(kept.events))]
+        return [(n, stored.events[n]) for n in range(after + 1, len(stored.events))]
 
     async def renew_lease(self, response_ids: list[str], lease_s: float) -> None:
         now = time.monotonic()
         self._leases = {rid: until for rid, until in self._leases.items() if until > now}  # (the lapsed go)
         self._leases |= dict.fromkeys(response_ids, now + lease_s)
-        for response_id in response_ids:  # kept while generated
-            if (kept := self._kept.get(response_id)) is not None:
-                self._touch(response_id, kept)
+        for response_id in response_ids:  # stored while generated
+            if (stored := self._stored.get(response_id)) is not None:
+                self._touch(response_id, stored)
 
     async def leased(self, response_id: str) -> bool:
         return self._leases.get(response_id, 0.0) > time.monotonic()

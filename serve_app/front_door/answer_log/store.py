@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 # A log's last event: the answer's end (whatever it was) or an error event; "grpc.final" is a kept
-# gRPC answer's final response (serve_app.front_door.grpc_api.kept_answers).
+# gRPC answer's final response (serve_app.front_door.grpc_api.stored_answers).
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error", "grpc.final")
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
 NO_OWNER = ""  # the owner of every response where no API keys are configured

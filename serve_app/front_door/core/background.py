@@ -71,10 +71,10 @@ class BackgroundAnswers:
         key_id: str | None,
         permit: Permit | None,
         sequences: int,
-        keep: Coroutine[Any, Any, None],
+        save: Coroutine[Any, Any, None],
         produce: Produce,
     ) -> None:
-        """Keep the answer (``keep``: its object, ``queued``) and start generating it (``produce``)
+        """Keep the answer (``save``: its object, ``queued``) and start generating it (``produce``)
         under ``permit`` (taken over), or with none (its key was at its cap), once it has waited for
         one. Leased before it is kept: a reader never finds it kept and unleased while it starts."""
         key = key_id or ""
@@ -97,7 +97,7 @@ class BackgroundAnswers:
                     headers={"Retry-After": "1"},
                 )
         except APIError:
-            keep.close()
+            save.close()
             raise
         held = permit.hand_over() if permit is not None else None
         self._tasks[answer_id] = None  # (taken now: the bounds above hold however many come at once)
@@ -107,7 +107,7 @@ class BackgroundAnswers:
             self._helpers = [asyncio.create_task(self._renew()), asyncio.create_task(self._listen())]
         try:
             await self.store.renew_lease([answer_id], self.lease_s)
-            await keep
+            await save
         except BaseException:
             self._forget(answer_id, key, waiting=held is None)
             if held is not None:
@@ -225,7 +225,7 @@ async def produce_response(
     time_limits: TimeLimits,
 ) -> None:
     """Generate a Responses API background answer once it has its permit, appending each event to its
-    log under its sequence number, and keep its final object (``failed`` with the error that ended it)."""
+    log under its sequence number, and save its final object (``failed`` with the error that ended it)."""
     response_id = str(response["id"])
     written = 0
     final: dict[str, Any] | None = None

@@ -79,7 +79,7 @@ class FrontDoor:
     def new_record(self, endpoint: str, **fields: Any) -> RequestRecord:
         """A record for a request the core observes (phases told to the metrics, content kept if logged)."""
         on_phase = self.metrics.moved if self.metrics is not None else None
-        return RequestRecord(endpoint, on_phase=on_phase, keep_content=self.settings.log_content, **fields)
+        return RequestRecord(endpoint, on_phase=on_phase, log_content=self.settings.log_content, **fields)
 
     def arrive(self, record: RequestRecord | None, key_id: str | None) -> Permit:
         """A request's permit, holding one place of the replica from its arrival (429 when none is

@@ -3,7 +3,7 @@
 :meth:`Generation.start` sends the admitted request to the model (:class:`Model`: this replica's
 engine, :mod:`serve_app.front_door.core.local_engine`) and waits for the answer to begin, under the
 first-token deadline and the rules of what is sent again (:func:`call_engine`). Its first item is
-a :class:`~serve_app.protocol.Reply` (a whole answer, or an error found before any token) or the
+a :class:`~serve_app.protocol.WholeAnswer` (a whole answer, or an error found before any token) or the
 first SSE chunk; :meth:`Generation.chunks` then yields the stream's chunks as they come, bytes as
 the engine framed them, and ends a stream that fails after it started with one error event in the
 door's form (``error_event``). The answer's :class:`~serve_app.protocol.Outcome` is read on the way
@@ -30,7 +30,7 @@ from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded,
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.telemetry.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
-from serve_app.protocol import Answer, GenerationRequest, Outcome, Reply, trailing_error
+from serve_app.protocol import AnswerItem, GenerationRequest, Outcome, WholeAnswer, trailing_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -55,7 +55,7 @@ class AnswerStream(Protocol):
 
     def __aiter__(self) -> AnswerStream: ...
 
-    async def __anext__(self) -> Answer: ...
+    async def __anext__(self) -> AnswerItem: ...
 
     def cancel(self) -> None: ...
 
@@ -89,14 +89,14 @@ class Generation:
         self.retry_s = retry_s
         self.error_event = error_event
         self.error: APIError | None = None
-        self._first: Reply | str | None = None
+        self._first: WholeAnswer | str | None = None
         self._rest: AnswerStream | None = None
         self._events = 0  # events sent (each "data: " line)
         self._ended = False
         permit.answer_end = self._end
 
-    async def start(self) -> Reply | str:
-        """The answer's first item: a whole :class:`Reply` (the answer has ended: its tokens are
+    async def start(self) -> WholeAnswer | str:
+        """The answer's first item: a whole :class:`WholeAnswer` (the answer has ended: its tokens are
         settled, its permit closed) or the first chunk of a stream. Raises the :class:`APIError` a
         client gets when no answer began."""
         try:
@@ -106,7 +106,7 @@ class Generation:
         except BaseException:
             self._end()
             raise
-        if isinstance(self._first, Reply):
+        if isinstance(self._first, WholeAnswer):
             self.record.outcome = self._first.outcome
             self.record.error_code = self._first.code
             self._end()
@@ -225,7 +225,7 @@ async def call_engine(
     deadline: Deadline,
     record: RequestRecord,
     retry_s: float = 0.0,
-) -> tuple[Reply | str, AnswerStream]:
+) -> tuple[WholeAnswer | str, AnswerStream]:
     """Send ``payload`` to the model's ``method``; its first item and the rest of its answer.
 
     A stream's first chunk must come before the first-token deadline; a unary
@@ -273,10 +273,10 @@ async def call_engine(
             if error.status == 503 and replica_deaths <= 1 and await _before_retry(give_up_at()):
                 continue
             raise error from None
-        if isinstance(first, Outcome):  # an answer begins with a reply or a chunk, never its outcome
+        if isinstance(first, Outcome):  # an answer begins with a whole answer or a chunk, never its outcome
             responses.cancel()
             raise APIError(500, "the model replica returned no answer", code="internal_error")
-        if isinstance(first, Reply) and first.code == UNAVAILABLE and await _before_retry(give_up_at()):
+        if isinstance(first, WholeAnswer) and first.code == UNAVAILABLE and await _before_retry(give_up_at()):
             continue
         break
     record.enter(Phase.RUNNING)

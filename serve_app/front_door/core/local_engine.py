@@ -20,12 +20,12 @@ from functools import partial
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.front_door.core.generation import AnswerStream
-from serve_app.protocol import Answer, GenerationRequest
+from serve_app.protocol import AnswerItem, GenerationRequest
 from serve_app.serve_internals import picked_replica
 
 logger = logging.getLogger("ray.serve")
 
-GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[Answer, None]]
+GenerationMethod = Callable[[GenerationRequest, dict[str, str] | None], AsyncGenerator[AnswerItem, None]]
 
 
 class LocalAnswer:
@@ -38,14 +38,14 @@ class LocalAnswer:
     raised again here, so the caller's deadline fires (504) as it does on a handle.
     """
 
-    def __init__(self, generator: AsyncGenerator[Answer, None]) -> None:
+    def __init__(self, generator: AsyncGenerator[AnswerItem, None]) -> None:
         self._generator = generator
         self._closing: asyncio.Task[None] | None = None
 
     def __aiter__(self) -> LocalAnswer:
         return self
 
-    async def __anext__(self) -> Answer:
+    async def __anext__(self) -> AnswerItem:
         task = asyncio.current_task()
         cancelling = task.cancelling() if task is not None else 0
         item = await anext(self._generator)
@@ -97,7 +97,7 @@ class RoutedAnswer:
     def __aiter__(self) -> RoutedAnswer:
         return self
 
-    async def __anext__(self) -> Answer:
+    async def __anext__(self) -> AnswerItem:
         if self._answer is not None:
             return await anext(self._answer)
         try:

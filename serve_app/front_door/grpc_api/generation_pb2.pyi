@@ -154,18 +154,18 @@ class CompletionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., echo: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., user: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("id", "chat", "completion", "cancel", "keep")
+    __slots__ = ("id", "chat", "completion", "cancel", "store")
     ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
-    KEEP_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     id: str
     chat: ChatCompletionRequest
     completion: CompletionRequest
     cancel: Cancel
-    keep: bool
-    def __init__(self, id: _Optional[str] = ..., chat: _Optional[_Union[ChatCompletionRequest, _Mapping]] = ..., completion: _Optional[_Union[CompletionRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., keep: _Optional[bool] = ...) -> None: ...
+    store: bool
+    def __init__(self, id: _Optional[str] = ..., chat: _Optional[_Union[ChatCompletionRequest, _Mapping]] = ..., completion: _Optional[_Union[CompletionRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., store: _Optional[bool] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ()

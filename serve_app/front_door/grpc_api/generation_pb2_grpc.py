@@ -84,7 +84,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """The rest of a kept answer (StreamRequest.keep) after `after_index`, from any replica.
+        """The rest of a stored answer (StreamRequest.store) after `after_index`, from any replica.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,7 @@ CANCELLED_BY_CLIENT = APIError(499, "the request was cancelled on its stream", c
 class RequestRunner(Protocol):
     """How one request of a multiplexed call is answered (the service, with the call's metadata)."""
 
-    def run(self, kind: str, request: Message, stream_id: str, keep: bool) -> AsyncGenerator[pb.StreamResponse, None]:
+    def run(self, kind: str, request: Message, stream_id: str, store: bool) -> AsyncGenerator[pb.StreamResponse, None]:
         """The request's responses, the last one ``final`` (a refusal is a final response alone)."""
         ...
 
@@ -147,16 +147,16 @@ class MultiplexedCall:
             error = APIError(429, f"this call runs {limit} requests at once already", code="stream_limit")
             await self._emit(self.runner.refuse(which, getattr(message, which), stream_id, error))
         else:
-            running = self._run(stream_id, which, getattr(message, which), message.keep)
+            running = self._run(stream_id, which, getattr(message, which), message.store)
             task = asyncio.create_task(running, name=f"stream {stream_id}")
             self._running[stream_id] = task
             task.add_done_callback(lambda done: self._ended(stream_id, done))
 
-    async def _run(self, stream_id: str, kind: str, request: Message, keep: bool) -> None:
+    async def _run(self, stream_id: str, kind: str, request: Message, store: bool) -> None:
         index = 0
         writing: pb.StreamResponse | None = None  # a response not yet in the buffer
         try:
-            async with contextlib.aclosing(self.runner.run(kind, request, stream_id, keep)) as responses:
+            async with contextlib.aclosing(self.runner.run(kind, request, stream_id, store)) as responses:
                 async for writing in responses:
                     await self._emit(writing)
                     index, writing = index + 1, None

@@ -16,7 +16,7 @@ log line and the span. Only the ends differ:
   ``grpc-retry-pushback-ms`` in its trailing metadata.
 
 A ``Stream`` call carries many requests (:mod:`.stream_requests`, :mod:`.multiplexed`) and a
-``Resume`` call reads a stored answer's log (:mod:`.kept_answers`); each holds an open call's
+``Resume`` call reads a stored answer's log (:mod:`.stored_answers`); each holds an open call's
 place (:mod:`serve_app.front_door.admission.open_calls`) for as long as it is open, and each
 request on a Stream call holds its own permit.
 
@@ -51,13 +51,13 @@ from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import Generation
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.grpc_api import kept_answers
+from serve_app.front_door.grpc_api import stored_answers
 from serve_app.front_door.grpc_api.messages import SHAPES, MessageBody, ResponseWriter, error_of_event
 from serve_app.front_door.grpc_api.multiplexed import MultiplexedCall
 from serve_app.front_door.grpc_api.stream_requests import StreamRequests
 from serve_app.front_door.telemetry.record import RequestRecord, end_record
 from serve_app.observability import tracing
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 
 logger = logging.getLogger("ray.serve")
 
@@ -138,8 +138,8 @@ class GenerationService:
             if request.after_index < -1:
                 raise APIError(400, f"after_index must be -1 or more, not {request.after_index}", "after_index")
             found = await stored.store.load(request.answer_id, key_id or NO_OWNER)
-            if found is None or found.response.get("object") != kept_answers.OBJECT:
-                raise kept_answers.not_found(request.answer_id)
+            if found is None or found.response.get("object") != stored_answers.OBJECT:
+                raise stored_answers.not_found(request.answer_id)
             self.core.open_calls.take(key_id)
         except APIError as refusal:
             set_status(context, refusal)
@@ -148,7 +148,7 @@ class GenerationService:
             found = await end_if_orphaned(stored.store, found)
             wait_s = stored.lease_s / 2
             answer = found.response
-            async for response in kept_answers.follow_answer(stored.store, answer, request.after_index, wait_s):
+            async for response in stored_answers.follow_answer(stored.store, answer, request.after_index, wait_s):
                 yield response
         finally:
             self.core.open_calls.give_back(key_id)
@@ -181,7 +181,7 @@ class GenerationService:
 
     async def admitted_generation(
         self, kind: str, request: Message, metadata: Mapping[str, str], record: RequestRecord
-    ) -> tuple[Generation, Reply | str]:
+    ) -> tuple[Generation, WholeAnswer | str]:
         """Admit a request and begin its answer (raises the :class:`APIError` of a refusal)."""
         core, endpoint = self.core, self.endpoints[kind]
         record.key_id = self.key_of(metadata)
@@ -220,14 +220,14 @@ class GenerationService:
     async def messages(
         self,
         generation: Generation,
-        first: Reply | str,
+        first: WholeAnswer | str,
         record: RequestRecord,
         writer: ResponseWriter,
         context: GRPCContext,
     ) -> AsyncGenerator[Message, None]:
         """An answer that began with ``first`` as response messages, the last one final."""
-        if isinstance(first, Reply):  # refused by the engine before any token (too long a prompt, ...)
-            yield self.end(record, writer, context, _error_of_reply(first))
+        if isinstance(first, WholeAnswer):  # refused by the engine before any token (too long a prompt, ...)
+            yield self.end(record, writer, context, _error_of_whole_answer(first))
             return
         error: APIError | None = None
         # The stream ends after an error event, once it has read the engine's outcome.
@@ -236,7 +236,7 @@ class GenerationService:
                 if record.first_byte_at is None:
                     record.first_byte_at = time.monotonic()
                 text = chunk if isinstance(chunk, str) else chunk.decode()
-                if record.keep_content:
+                if record.log_content:
                     record.response_bytes.append(text.encode())
                 response, error = writer.response(text)
                 if response is not None:
@@ -289,10 +289,10 @@ def set_status(context: GRPCContext, error: APIError) -> None:
         context.set_trailing_metadata(list(context.trailing_metadata()) + hint)
 
 
-def _error_of_reply(reply: Reply) -> APIError:
+def _error_of_whole_answer(whole: WholeAnswer) -> APIError:
     """The error of a replica's whole-body refusal, with the Retry-After the HTTP API would send."""
-    error = error_of_event(json.loads(reply.body))
-    error.status = reply.status
-    if reply.status == 503:
+    error = error_of_event(json.loads(whole.body))
+    error.status = whole.status
+    if whole.status == 503:
         error.headers = {"Retry-After": str(RETRY_AFTER_S)}
     return error

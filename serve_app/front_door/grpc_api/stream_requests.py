@@ -4,7 +4,7 @@
 request runs through the service's own pipeline with the call's metadata (key, ``traceparent``,
 ``x-request-timeout``), its record, permit and span its own, ``rpc`` "Stream" and its client's id.
 A stored one (``store``) is admitted here, kept as an answer in the answer log
-(:mod:`.kept_answers`) and generated as a background answer
+(:mod:`.stored_answers`) and generated as a background answer
 (:class:`~serve_app.front_door.core.background.BackgroundAnswers`), holding its permit for its
 whole life or, past its key's cap, waiting for one; the call follows its log, so a call that drops
 does not stop it, and ``Resume`` on any replica reads the rest.
@@ -30,10 +30,10 @@ from serve_app.front_door.core.background import GetPermit
 from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import Generation
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.grpc_api import kept_answers
+from serve_app.front_door.grpc_api import stored_answers
 from serve_app.front_door.grpc_api.messages import SHAPES, MessageBody, ResponseWriter, wrap
 from serve_app.front_door.telemetry.record import Observer, RequestRecord, end_record
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 
 
 class CallStatus:
@@ -74,7 +74,12 @@ class Answering(Protocol):
     ) -> AsyncGenerator[Message, None]: ...
 
     def messages(
-        self, generation: Generation, first: Reply | str, record: RequestRecord, writer: ResponseWriter, context: Any
+        self,
+        generation: Generation,
+        first: WholeAnswer | str,
+        record: RequestRecord,
+        writer: ResponseWriter,
+        context: Any,
     ) -> AsyncGenerator[Message, None]: ...
 
     def end(self, record: RequestRecord, writer: ResponseWriter, context: Any, error: APIError | None) -> Message: ...
@@ -115,7 +120,7 @@ class StreamRequests:
         record.key_id = self.key_id
         service.start_span(record, self.metadata)
         writer = ResponseWriter(SHAPES[kind], model=getattr(request, "model", ""))
-        answer = kept_answers.new_answer(kind, stream_id)
+        answer = stored_answers.new_answer(kind, stream_id)
         try:
             if stored is None:
                 raise APIError(400, "this server keeps no answers", "store")
@@ -123,10 +128,10 @@ class StreamRequests:
             try:
                 admitted = await core.admit(permit, MessageBody(request), service.endpoints[kind], record)
                 produce = self._producer(kind, admitted, record, writer, answer)
-                keep = stored.store.save(answer["id"], self.key_id or NO_OWNER, answer, [], background=True)
+                save = stored.store.save(answer["id"], self.key_id or NO_OWNER, answer, [], background=True)
                 waits = admitted.waits_for_key is not None
                 await stored.background.start(
-                    answer["id"], self.key_id, None if waits else permit, admitted.sequences, keep, produce
+                    answer["id"], self.key_id, None if waits else permit, admitted.sequences, save, produce
                 )
             finally:
                 permit.close()  # (a no-op once the answer took it over)
@@ -137,7 +142,7 @@ class StreamRequests:
             return
         self.stored[stream_id] = answer["id"]
         try:
-            async for response in kept_answers.follow_answer(stored.store, answer, -1, stored.lease_s / 2):
+            async for response in stored_answers.follow_answer(stored.store, answer, -1, stored.lease_s / 2):
                 yield response
         finally:
             self.stored.pop(stream_id, None)
@@ -168,7 +173,7 @@ class StreamRequests:
 
         async def produce(get_permit: GetPermit) -> None:
             try:
-                await kept_answers.produce(store, answer, responses(get_permit))
+                await stored_answers.produce(store, answer, responses(get_permit))
             finally:
                 end_record(record, service.observers)
 

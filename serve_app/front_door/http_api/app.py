@@ -41,7 +41,7 @@ from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api import responses as stored_routes
 from serve_app.front_door.http_api.middleware import PERMIT_SCOPE_KEY, Arrivals, ObserveRequests
 from serve_app.front_door.telemetry.record import RequestRecord
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -87,7 +87,7 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     stored = core.stored if endpoint.method == "responses" else None
     expand = stored.expand(stored_routes.owner_of(request)) if stored is not None else None
     admitted = await core.admit(permit, JSONBody(raw), endpoint, record, expand)
-    if stored is not None and admitted.kept:
+    if stored is not None and admitted.to_store:
         return await stored_routes.create(core, stored, permit, admitted, deadline, record)
     generation = core.generate(
         permit, admitted, endpoint.method, deadline, record, stored_routes.error_event_of(endpoint)
@@ -95,9 +95,9 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     return answer(await generation.start(), generation)
 
 
-def answer(first: Reply | str, generation: Generation) -> Response:
+def answer(first: WholeAnswer | str, generation: Generation) -> Response:
     """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE."""
-    if isinstance(first, Reply):
+    if isinstance(first, WholeAnswer):
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
         return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
@@ -191,7 +191,7 @@ def build_http_app(
             paths={e.path: e.method for e in endpoints},
             observers=core.observers(),
             on_phase=core.metrics.moved if core.metrics is not None else None,
-            keep_content=settings.log_content,
+            log_content=settings.log_content,
         )
     )
     if core.api_keys is not None:

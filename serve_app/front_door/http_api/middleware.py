@@ -43,13 +43,13 @@ class ObserveRequests:
         paths: dict[str, str],
         observers: list[Observer],
         on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None,
-        keep_content: bool = False,
+        log_content: bool = False,
     ) -> None:
         self.app = app
         self.paths = paths  # path -> endpoint name
         self.observers = observers
         self.on_phase = on_phase
-        self.keep_content = keep_content
+        self.log_content = log_content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         observed = scope["type"] == "http" and scope.get("method") == "POST"
@@ -57,7 +57,7 @@ class ObserveRequests:
         if endpoint is None:
             await self.app(scope, receive, send)
             return
-        record = RequestRecord(endpoint, on_phase=self.on_phase, keep_content=self.keep_content)
+        record = RequestRecord(endpoint, on_phase=self.on_phase, log_content=self.log_content)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
         record.span = tracing.start_request_span(
             f"{scope.get('method', 'POST')} {scope['path']}",
@@ -74,7 +74,7 @@ class ObserveRequests:
                 body = message.get("body", b"")
                 if body and record.first_byte_at is None:
                     record.first_byte_at = time.monotonic()
-                if record.keep_content and body:
+                if record.log_content and body:
                     record.response_bytes.append(body)
                 if not message.get("more_body", False):
                     record.completed = True

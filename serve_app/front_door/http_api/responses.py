@@ -89,16 +89,16 @@ async def create(
     if admitted.background:
         return await create_background(core, stored, permit, admitted, owner)
 
-    async def keep(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
+    async def save(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
         await stored.store.save(admitted.payload.request_id, owner, response, input_items(admitted), background=False)
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
     first = await generation.start()
     if isinstance(first, str):
-        frames = kept_at_end(generation, keep)
+        frames = stored_at_end(generation, save)
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     if first.status == 200:
-        await keep(json.loads(first.body))
+        await save(json.loads(first.body))
     headers = {"Retry-After": "1"} if first.status == 503 else None
     return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
 
@@ -111,7 +111,7 @@ async def create_background(
     assert admitted.stored is not None
     payload: Any = admitted.stored.request
     response = queued_response(payload, admitted.entry.name, admitted.entry.max_output_tokens)
-    keep = stored.store.save(payload.request_id, owner, response, input_items(admitted), background=True)
+    save = stored.store.save(payload.request_id, owner, response, input_items(admitted), background=True)
     background = Admitted(admitted.entry, streamed(admitted.payload), admitted.sequences)
     record = RequestRecord("responses", request_id=payload.request_id, key_id=permit.key_id, stream=True)
 
@@ -127,7 +127,7 @@ async def create_background(
     try:
         waits = admitted.waits_for_key is not None
         await stored.background.start(
-            payload.request_id, permit.key_id, None if waits else permit, admitted.sequences, keep, produce
+            payload.request_id, permit.key_id, None if waits else permit, admitted.sequences, save, produce
         )
     except BaseException:
         if follows:
@@ -161,7 +161,7 @@ def input_items(admitted: Admitted) -> list[Any]:
     return request_input_items(admitted.stored.request)
 
 
-async def kept_at_end(generation: Generation, keep: Any) -> AsyncIterator[str | bytes]:
+async def stored_at_end(generation: Generation, save: Any) -> AsyncIterator[str | bytes]:
     """A stored answer's stream, written through; its final object, which its last frame ends with,
     kept once it has been sent (nothing is read of the frames before: the stream costs what chat's does)."""
     last: str | bytes = ""
@@ -170,7 +170,7 @@ async def kept_at_end(generation: Generation, keep: Any) -> AsyncIterator[str | 
         last = frame
     events = split_events(last) if isinstance(last, str) else []
     if events and is_terminal(events[-1]) and (final := event_response(events[-1])) is not None:
-        await keep(final)
+        await save(final)
 
 
 def queued_response(payload: Any, model_name: str, max_output_tokens: int | None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from serve_app.errors import ENGINE_FAILED
 from serve_app.front_door.telemetry.record import GRAMMAR_OUTCOMES, Phase, RequestRecord
-from serve_app.observability.gauges import KeptGauges, kept_gauges
+from serve_app.observability.gauges import RefreshedGauges, refreshed_gauges
 from serve_app.protocol import EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS
 from serve_app.serve_internals import start_at_zero
 
@@ -67,7 +67,7 @@ class ServingMetrics:
     """
 
     def __init__(
-        self, models: Sequence[str] = (), endpoints: Sequence[str] = (), gauges: KeptGauges | None = None
+        self, models: Sequence[str] = (), endpoints: Sequence[str] = (), gauges: RefreshedGauges | None = None
     ) -> None:
         from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -131,7 +131,7 @@ class ServingMetrics:
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=by_model)
         self.running = Gauge(RUNNING, "Requests whose answer is being written.", tag_keys=by_model)
         self._in_phase: Tally[tuple[str, Phase]] = Tally()
-        self._gauges = gauges or kept_gauges()
+        self._gauges = gauges or refreshed_gauges()
         for name in models:
             for gauge in (self.queued, self.running):
                 self._gauges.set(gauge, 0, {"model": name})

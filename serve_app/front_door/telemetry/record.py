@@ -61,7 +61,7 @@ class RequestRecord:
     span: Any = None
     on_phase: Callable[[RequestRecord, Phase, Phase], None] | None = None
     # Only when content logging is on: the request's body and the answer's bytes.
-    keep_content: bool = False
+    log_content: bool = False
     request_body: dict[str, Any] | None = None
     response_bytes: list[bytes] = field(default_factory=list)
 

@@ -54,7 +54,7 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
         fields["key_id"] = record.key_id
     if record.span is not None and record.span.get_span_context().is_valid:
         fields["trace_id"] = format(record.span.get_span_context().trace_id, "032x")
-    if record.keep_content:
+    if record.log_content:
         fields["request"] = _request_content(record.request_body)
         fields["completion"] = completion_text(b"".join(record.response_bytes), record.stream)
     return fields

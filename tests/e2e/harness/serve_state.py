@@ -58,7 +58,7 @@ async def serve_deploy(config: Path, dashboard_url: str) -> None:
     await asyncio.to_thread(serve_deploy_blocking, config, dashboard_url)
 
 
-async def serve_deploy_kept(config: Path, suite_config: Path, dashboard_url: str) -> None:
+async def serve_deploy_preserving(config: Path, suite_config: Path, dashboard_url: str) -> None:
     """Deploy ``config``, a change to an application that a test leaves as it is (one no later test
     uses), and make it the suite's config from now on: a later test that restores the suite's
     applications (:func:`serve_deploy_settled` of ``suite_config``) then keeps the change rather
@@ -86,7 +86,7 @@ async def serve_deploy_settled(
     A test that changed the shared apps restores them with this, so the next test never
     meets the last one's replicas (a replica still asking for API keys, say). A test that
     changed one application names it in ``settled``: another may stay unsettled for good (a
-    test left its rate limiter unplaceable, :func:`serve_deploy_kept`).
+    test left its rate limiter unplaceable, :func:`serve_deploy_preserving`).
     """
     await serve_deploy(config, dashboard_url)
     names = {app["name"] for app in yaml.safe_load(config.read_text())["applications"]}

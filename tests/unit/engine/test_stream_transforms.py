@@ -105,9 +105,9 @@ def test_sse_error_event_is_one_openai_shaped_data_event():
 
 
 def test_unary_error_reply_is_openai_shaped():
-    from serve_app.protocol import Reply
+    from serve_app.protocol import WholeAnswer
 
-    reply = Reply.error(400, "bad max_tokens", "max_tokens")
+    reply = WholeAnswer.error(400, "bad max_tokens", "max_tokens")
     assert reply.status == 400
     assert json.loads(reply.body)["error"] == {
         "message": "bad max_tokens",

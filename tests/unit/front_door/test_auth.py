@@ -17,7 +17,7 @@ from serve_app.front_door.admission.auth import (
     parse_keys,
 )
 from serve_app.front_door.admission.route_path import route_path
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, client_for
 
@@ -38,7 +38,7 @@ def chat_with(client, authorization: str | None):
 
 @pytest.mark.parametrize("key", [FIRST, SECOND, THIRD])
 def test_each_configured_key_is_accepted(env_keys, key):
-    client, handle = client_for([Reply(200, b"{}")], api_keys=env_keys)
+    client, handle = client_for([WholeAnswer(200, b"{}")], api_keys=env_keys)
     assert chat_with(client, f"Bearer {key}").status_code == 200
     assert client.get("/v1/models", headers={"Authorization": f"bearer {key}"}).status_code == 200
     assert len(handle.payloads) == 1
@@ -63,7 +63,7 @@ def test_each_configured_key_is_accepted(env_keys, key):
     ],
 )
 def test_missing_or_wrong_keys_get_401_and_reach_no_replica(env_keys, authorization):
-    client, handle = client_for([Reply(200, b"{}")], api_keys=env_keys)
+    client, handle = client_for([WholeAnswer(200, b"{}")], api_keys=env_keys)
     for response in (
         chat_with(client, authorization),
         client.get("/v1/models", headers=({"Authorization": authorization} if authorization is not None else {})),
@@ -93,7 +93,7 @@ def test_health_stays_open(env_keys):
 
 
 def test_without_keys_configured_no_header_is_needed():
-    client, _ = client_for([Reply(200, b"{}")])
+    client, _ = client_for([WholeAnswer(200, b"{}")])
     assert chat_with(client, None).status_code == 200
 
 
@@ -178,7 +178,7 @@ def test_an_unreadable_file_keeps_the_previous_keys(key_file, caplog):
 def test_an_emptied_file_revokes_every_key_and_logs_one_error(key_file, caplog):
     path, keys = key_file
     write_keys(path, "# all keys revoked\n", 2_000)
-    client, handle = client_for([Reply(200, b"{}")], api_keys=keys)
+    client, handle = client_for([WholeAnswer(200, b"{}")], api_keys=keys)
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
         for _ in range(3):
             assert_openai_error(chat_with(client, f"Bearer {OLD}"), 401)

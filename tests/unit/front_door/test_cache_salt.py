@@ -8,7 +8,7 @@ from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from serve_app.config import IngressConfig
 from serve_app.front_door.admission.auth import APIKeys
 from serve_app.front_door.admission.cache_salt import key_cache_salt
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 from tests.unit.front_door.fakes import CHAT, client_for
 
 FIRST, SECOND = "sk-first-0123456789abc", "sk-second-abcdef012345"
@@ -22,7 +22,7 @@ def keys(monkeypatch) -> APIKeys:
 
 def salts_sent(keys: APIKeys, isolate: bool, requests: list[tuple[str, dict]]) -> list[str | None]:
     """The ``cache_salt`` of each request as it reached the engine, sent with each key and body."""
-    client, handle = client_for([Reply(200, b"{}")], api_keys=keys, isolate_prefix_cache=isolate)
+    client, handle = client_for([WholeAnswer(200, b"{}")], api_keys=keys, isolate_prefix_cache=isolate)
     for key, body in requests:
         response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == 200, response.text

@@ -19,23 +19,23 @@ from tests.unit.simulated_engine.batches import VOCABULARY, sequence
 
 
 def test_a_replica_keeps_one_batch_of_places_at_most_half_of_its_queue() -> None:
-    assert FairShare.for_replica(limit=576, runs_at_once=64).kept == 64  # 64 run, 512 wait
-    assert FairShare.for_replica(limit=96, runs_at_once=64).kept == 16  # 32 wait: half
-    assert FairShare.for_replica(limit=64, runs_at_once=64).kept == 0  # nothing waits: nothing kept
+    assert FairShare.for_replica(limit=576, runs_at_once=64).reserved == 64  # 64 run, 512 wait
+    assert FairShare.for_replica(limit=96, runs_at_once=64).reserved == 16  # 32 wait: half
+    assert FairShare.for_replica(limit=64, runs_at_once=64).reserved == 0  # nothing waits: nothing kept
 
 
 def test_only_kept_places_left_go_to_keys_holding_less_than_their_part() -> None:
-    rule = FairShare(limit=100, kept=20)
+    rule = FairShare(limit=100, reserved=20)
     assert rule.admits(held=79, key_held=79, other_keys=0)  # 21 free: anyone
     assert not rule.admits(held=80, key_held=80, other_keys=0)  # 20 free, all kept: a lone key holds its part
     assert rule.admits(held=80, key_held=0, other_keys=1)  # a newcomer takes one: part 20 / 2
     assert rule.admits(held=89, key_held=9, other_keys=1)
     assert not rule.admits(held=90, key_held=10, other_keys=1)
-    assert rule.allowance(other_keys=3) == 5 and FairShare(limit=10, kept=1).allowance(other_keys=4) == 1
+    assert rule.allowance(other_keys=3) == 5 and FairShare(limit=10, reserved=1).allowance(other_keys=4) == 1
 
 
 def test_a_flooding_key_leaves_the_kept_places_to_another_and_each_request_has_its_keys_rank() -> None:
-    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, kept=4))
+    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, reserved=4))
     assert [slots.take(key_id="a") for _ in range(6)] == [0, 1, 2, 3, 4, 5]
     with pytest.raises(APIError) as refused:
         slots.take(key_id="a")
@@ -79,7 +79,7 @@ def test_a_keys_newer_request_never_ranks_below_one_its_key_still_holds() -> Non
     ranks.give_back("a", 3, 1)
     ranks.give_back("a", 3, 1)
     assert "a" not in ranks.held and ranks.take("a") == 0  # nothing held: a fresh count
-    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, kept=2))
+    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, reserved=2))
     holds = [SlotHold(slots, "a", slots.take(key_id="a")) for _ in range(3)]
     holds[0].give_back()
     holds[0].give_back()  # (once only)
@@ -92,13 +92,13 @@ def test_without_fair_share_or_a_key_every_request_has_rank_zero_up_to_the_limit
     assert [plain.take(key_id="a"), plain.take(key_id="a")] == [0, 0]
     with pytest.raises(APIError):
         plain.take(key_id="b")
-    fair = GenerationSlots(limit=2, fair_share=FairShare(limit=2, kept=1))
+    fair = GenerationSlots(limit=2, fair_share=FairShare(limit=2, reserved=1))
     assert [fair.take(), fair.take()] == [0, 0]  # no API keys: one tenant
     assert fair.by_key == {}
 
 
 def test_held_places_are_given_back_when_the_block_ends_even_on_error() -> None:
-    slots = GenerationSlots(limit=3, fair_share=FairShare(limit=3, kept=1))
+    slots = GenerationSlots(limit=3, fair_share=FairShare(limit=3, reserved=1))
     with pytest.raises(RuntimeError), slots.hold(key_id="a") as hold:
         assert hold.rank == 0 and slots.by_key == {"a": 1}
         hold.grow_to(2)
@@ -126,7 +126,7 @@ def test_with_priority_scheduling_a_light_key_waits_one_turnover_behind_a_flood(
     started_before_b = {}
     for by_priority in (True, False):
         batch = ContinuousBatch(timing, max_num_seqs=4, vocabulary=VOCABULARY, by_priority=by_priority)
-        slots = GenerationSlots(limit=64, fair_share=FairShare(limit=64, kept=4))
+        slots = GenerationSlots(limit=64, fair_share=FairShare(limit=64, reserved=4))
         first: dict[str, float] = {}
         for i in range(40):
             batch.add(sequence(f"a{i}", prompt=16, max_tokens=8, priority=slots.take(key_id="a")))

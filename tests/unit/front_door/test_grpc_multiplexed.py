@@ -28,7 +28,7 @@ class Runner:
         self.refused: list[tuple[str, int]] = []
 
     async def run(
-        self, kind: str, request: Message, stream_id: str, keep: bool
+        self, kind: str, request: Message, stream_id: str, store: bool
     ) -> AsyncGenerator[pb.StreamResponse, None]:
         self.started.append(stream_id)
         tokens = request.max_tokens

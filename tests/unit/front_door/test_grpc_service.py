@@ -29,7 +29,7 @@ from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService
-from serve_app.protocol import Outcome, Reply
+from serve_app.protocol import Outcome, WholeAnswer
 from tests.unit.front_door.fakes import HANG, KEYS, SHORT, FakeModel, FixedReadiness, LedgerHandle, RecordingMetrics
 
 MODEL = "glm-4-9b-chat"
@@ -134,7 +134,7 @@ def test_a_bad_field_is_invalid_argument_naming_it_and_never_reaches_a_replica()
 
 def test_a_key_past_its_rate_limit_is_resource_exhausted_with_the_retry_hint():
     limiter = LedgerHandle(RateLedger(requests_per_minute=1, tokens_per_minute=None))
-    svc, _, _ = service([Reply(200, b"{}")], key_limits=KeyLimits(limiter, counts_tokens=False), keys=True)
+    svc, _, _ = service([WholeAnswer(200, b"{}")], key_limits=KeyLimits(limiter, counts_tokens=False), keys=True)
     metadata = [("authorization", f"Bearer {KEYS.splitlines()[0]}")]
     run(svc, request(), FakeContext(metadata))
     context = FakeContext(metadata)
@@ -151,7 +151,7 @@ def test_with_the_replicas_places_all_held_a_call_is_resource_exhausted_overload
     """Direct streaming: gRPC calls and HTTP requests hold places from the same count; when the
     HTTP side holds them all, a call is refused as the HTTP door refuses (429 overloaded)."""
     slots = GenerationSlots(limit=1, model=MODEL)
-    svc, handle, metrics = service([Reply(200, b"{}")], slots=slots)
+    svc, handle, metrics = service([WholeAnswer(200, b"{}")], slots=slots)
     context = FakeContext()
     with slots.hold():  # an HTTP request in the replica
         (final,) = run(svc, request(), context)
@@ -164,8 +164,8 @@ def test_with_the_replicas_places_all_held_a_call_is_resource_exhausted_overload
 
 def test_with_fair_share_a_call_is_sent_with_its_keys_rank_as_its_engine_priority():
     """As over HTTP: the places its key holds on the replica (here one HTTP request) rank it."""
-    slots = GenerationSlots(limit=8, model=MODEL, fair_share=FairShare(limit=8, kept=2))
-    svc, handle, _ = service([Reply(200, b"{}")], slots=slots, keys=True)
+    slots = GenerationSlots(limit=8, model=MODEL, fair_share=FairShare(limit=8, reserved=2))
+    svc, handle, _ = service([WholeAnswer(200, b"{}")], slots=slots, keys=True)
     metadata = [("authorization", f"Bearer {KEYS.splitlines()[0]}")]
     key_id = APIKeys("test keys", lambda: KEYS).identify(KEYS.splitlines()[0])
     with slots.hold(key_id=key_id):
@@ -198,7 +198,7 @@ def test_no_key_is_unauthenticated():
 
 
 def test_a_replica_that_cannot_serve_is_unavailable_with_the_retry_hint():
-    refusal = Reply.error(503, "the model engine on this replica died; retry shortly", code="unavailable")
+    refusal = WholeAnswer.error(503, "the model engine on this replica died; retry shortly", code="unavailable")
     svc, _, _ = service([refusal])
     context = FakeContext()
     (final,) = run(svc, request(), context)
@@ -240,7 +240,7 @@ def test_health_check_knows_the_service_and_the_whole_server_only():
 def test_a_call_holds_a_place_for_each_choice_and_is_refused_when_they_are_not_free():
     """As over HTTP: ``n`` choices are ``n`` engine sequences of the replica's places."""
     slots = GenerationSlots(limit=3, model=MODEL)
-    svc, handle, _ = service([Reply(200, b"{}")], slots=slots)
+    svc, handle, _ = service([WholeAnswer(200, b"{}")], slots=slots)
     held_at_call: list[int] = []
     handle.on_call = lambda: held_at_call.append(slots.held)
     run(svc, request(n=3), FakeContext())
@@ -259,7 +259,7 @@ def test_a_message_is_held_to_the_http_bodys_structure_checks(monkeypatch):
     process: 100,001 arrays would be a large one, and the test would pay the checker process's
     start (a large message's path is the next test's)."""
     monkeypatch.setattr(json_body, "MAX_CONTAINERS", 1_000)
-    svc, handle, _ = service([Reply(200, b"{}")])
+    svc, handle, _ = service([WholeAnswer(200, b"{}")])
     struct = struct_pb2.Struct()
     struct.update({"type": "json_object", "pad": [[] for _ in range(1_001)]})
     context = FakeContext()
@@ -276,7 +276,7 @@ def answer_with_the_checkers_pid(request_model: type, raw: bytes, to_json: Any =
 
 def test_a_large_message_is_parsed_and_checked_in_the_checker_process_as_a_large_http_body():
     checker = BodyChecker(answer_with_the_checkers_pid, warm=None)
-    svc, handle, _ = service([Reply(200, b"{}")], body_checker=checker)
+    svc, handle, _ = service([WholeAnswer(200, b"{}")], body_checker=checker)
     try:
         big = pb.ChatCompletionRequest(model=MODEL, messages=[pb.Message(role="user", content="x" * LARGE_BODY_BYTES)])
         context = FakeContext()

@@ -20,13 +20,13 @@ from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import RETRY_INTERVAL_S
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api.app import build_http_app
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, HANG, SHORT, SLOW, FixedReadiness, client_for
 
 
 def test_unary_reply_is_written_with_its_status():
-    client, handle = client_for([Reply(200, b'{"id": "x"}')])
+    client, handle = client_for([WholeAnswer(200, b'{"id": "x"}')])
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200
     assert response.json() == {"id": "x"}
@@ -34,7 +34,7 @@ def test_unary_reply_is_written_with_its_status():
 
 
 def test_each_request_gets_a_fresh_uuid_even_if_the_client_sends_one():
-    client, handle = client_for([Reply(200, b"{}")])
+    client, handle = client_for([WholeAnswer(200, b"{}")])
     client.post("/v1/chat/completions", json=CHAT | {"request_id": "same"})
     client.post("/v1/chat/completions", json=CHAT | {"request_id": "same"})
     ids = [p.request_id for p in handle.payloads]
@@ -63,7 +63,7 @@ def test_failure_mid_stream_ends_with_an_error_event():
 
 
 def test_replica_error_reply_keeps_its_status():
-    client, _ = client_for([Reply.error(400, "max_tokens is too large", "max_tokens")])
+    client, _ = client_for([WholeAnswer.error(400, "max_tokens is too large", "max_tokens")])
     assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 400, "max_tokens")
 
 
@@ -234,22 +234,22 @@ def test_invalid_timeout_header_is_400(value):
 
 
 def test_a_replica_that_cannot_serve_says_retry():
-    from serve_app.protocol import Reply
+    from serve_app.protocol import WholeAnswer
 
-    client, _ = client_for([Reply.error(503, "engine died", code="unavailable")])
+    client, _ = client_for([WholeAnswer.error(503, "engine died", code="unavailable")])
     response = client.post("/v1/chat/completions", json=CHAT)
     assert assert_openai_error(response, 503)["code"] == "unavailable"
     assert response.headers["retry-after"] == "1"
 
 
-UNAVAILABLE = Reply.error(503, "engine died", code="unavailable")
+UNAVAILABLE = WholeAnswer.error(503, "engine died", code="unavailable")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_refused_by_an_unavailable_replica_is_sent_again(stream):
     from ray.exceptions import ActorDiedError
 
-    answer = [FIRST] if stream else [Reply(200, b'{"id": "x"}')]
+    answer = [FIRST] if stream else [WholeAnswer(200, b'{"id": "x"}')]
     client, handle = client_for([UNAVAILABLE], then=[[ActorDiedError()], answer], retry_s=5)
     response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
     assert response.status_code == 200
@@ -276,7 +276,7 @@ def test_other_failures_are_not_retried(failure):
     from ray.serve.exceptions import BackPressureError
 
     first = {
-        "400": Reply.error(400, "bad", param="messages"),
+        "400": WholeAnswer.error(400, "bad", param="messages"),
         "500": RuntimeError("boom"),
         "429": BackPressureError(num_queued_requests=1, max_queued_requests=1),
     }[failure]
@@ -298,18 +298,18 @@ def test_a_request_serve_cancelled_because_its_client_left_is_not_logged_as_an_e
 
 def test_the_retry_window_starts_at_the_first_refusal():
     # Not at the request: here the refusal comes after 0.6 s.
-    client, handle = client_for([SLOW, UNAVAILABLE], then=[[Reply(200, b'{"id": "x"}')]], retry_s=0.55)
+    client, handle = client_for([SLOW, UNAVAILABLE], then=[[WholeAnswer(200, b'{"id": "x"}')]], retry_s=0.55)
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200
     assert len(handle.payloads) == 2
 
 
-ENGINE_FAILED = Reply.error(500, "the engine failed under this request", code="engine_failed")
+ENGINE_FAILED = WholeAnswer.error(500, "the engine failed under this request", code="engine_failed")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_whose_engine_died_under_it_is_answered_once_never_sent_again(stream):
-    client, handle = client_for([ENGINE_FAILED], then=[[Reply(200, b'{"id": "x"}')]], retry_s=5)
+    client, handle = client_for([ENGINE_FAILED], then=[[WholeAnswer(200, b'{"id": "x"}')]], retry_s=5)
     response = client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
     assert assert_openai_error(response, 500)["code"] == "engine_failed"
     assert len(handle.payloads) == 1
@@ -380,7 +380,7 @@ def test_a_deployment_with_no_replica_is_tried_until_the_window_ends():
 
 @pytest.mark.parametrize(("n", "status"), [(8, 200), (9, 400), (128, 400)])
 def test_choices_per_request_are_bounded(n, status):
-    client, handle = client_for([Reply(200, b'{"id": "x"}')])
+    client, handle = client_for([WholeAnswer(200, b'{"id": "x"}')])
     response = client.post("/v1/chat/completions", json=CHAT | {"n": n})
     assert response.status_code == status
     if status == 400:
@@ -389,14 +389,14 @@ def test_choices_per_request_are_bounded(n, status):
 
 @pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
 def test_an_answer_longer_than_the_models_ceiling_is_400_naming_it(param):
-    client, handle = client_for([Reply(200, b'{"id": "x"}')], max_output_tokens=256)
+    client, handle = client_for([WholeAnswer(200, b'{"id": "x"}')], max_output_tokens=256)
     assert client.post("/v1/chat/completions", json=CHAT | {param: 256}).status_code == 200
     error = assert_openai_error(client.post("/v1/chat/completions", json=CHAT | {param: 257}), 400, param)
     assert "at most 256 tokens" in error["message"] and len(handle.payloads) == 1
 
 
 async def test_a_body_that_arrives_too_slowly_is_408():
-    client, handle = client_for([Reply(200, b'{"id": "x"}')], body_timeout_s=0.3)
+    client, handle = client_for([WholeAnswer(200, b'{"id": "x"}')], body_timeout_s=0.3)
     parts = [b'{"model": "glm-4-9b-chat", ', b'"messages": [{"role": "user", "content": "hi"}]}']
 
     async def receive() -> dict:  # a client that sends half its body, then stalls for good

@@ -26,7 +26,7 @@ from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.local_engine import LocalModel, PrefixRoute, RoutedAnswer
 from serve_app.front_door.http_api.middleware import Arrivals, ObserveRequests
 from serve_app.front_door.telemetry.record import RequestRecord
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 from tests.waiting import wait_until
 
 
@@ -188,7 +188,7 @@ async def test_each_generation_request_carries_its_keys_rank_and_a_key_holding_i
         await release.wait()
         return JSONResponse({"ok": True})
 
-    slots = GenerationSlots(limit=4, fair_share=FairShare(limit=4, kept=2))
+    slots = GenerationSlots(limit=4, fair_share=FairShare(limit=4, reserved=2))
     middleware = [
         Middleware(APIKeyMiddleware, keys=APIKeys("test keys", lambda: "\n".join(keys))),
         arrivals(slots),
@@ -229,21 +229,21 @@ def test_a_request_holds_a_place_for_each_engine_sequence_it_starts_until_it_end
     from tests.unit.front_door.fakes import client_for
 
     slots = GenerationSlots(limit=sequences, model="glm-4-9b-chat")
-    client, handle = client_for([Reply(200, b"{}")], slots=slots)
+    client, handle = client_for([WholeAnswer(200, b"{}")], slots=slots)
     held_at_call: list[int] = []
     handle.on_call = lambda: held_at_call.append(slots.held)
     assert client.post(path, json={"model": "glm-4-9b-chat"} | body).status_code == 200
     assert held_at_call == [sequences] and slots.held == 0
     tighter = GenerationSlots(limit=sequences - 1, model="glm-4-9b-chat")
     if sequences > 1:
-        client, handle = client_for([Reply(200, b"{}")], slots=tighter)
+        client, handle = client_for([WholeAnswer(200, b"{}")], slots=tighter)
         refused = client.post(path, json={"model": "glm-4-9b-chat"} | body)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
         assert handle.payloads == [] and tighter.held == 0
 
 
 def test_a_keys_sequences_count_toward_its_rank_and_its_share() -> None:
-    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, kept=4))
+    slots = GenerationSlots(limit=10, fair_share=FairShare(limit=10, reserved=4))
     with slots.hold(key_id="a") as first:
         first.grow_to(3)
         assert (first.rank, slots.held, slots.by_key) == (0, 3, {"a": 3})

@@ -19,7 +19,7 @@ from serve_app.errors import APIError
 from serve_app.front_door.admission import rate_limits
 from serve_app.front_door.admission.auth import APIKeys
 from serve_app.front_door.admission.rate_limits import Decision, KeyLimits, rate_limited
-from serve_app.protocol import Outcome, Reply
+from serve_app.protocol import Outcome, WholeAnswer
 from tests.openai_errors import assert_openai_error
 from tests.unit.front_door.fakes import CHAT, KEYS, LedgerHandle, client_for
 from tests.waiting import wait_until
@@ -130,7 +130,7 @@ def limited_client(items: list[Any], limiter: LedgerHandle, counts_tokens: bool 
 
 def test_past_its_limit_a_key_gets_429_with_retry_after_and_other_keys_do_not():
     limiter = LedgerHandle(RateLedger(requests_per_minute=2, tokens_per_minute=None))
-    client, handle = limited_client([Reply(200, b"{}")], limiter)
+    client, handle = limited_client([WholeAnswer(200, b"{}")], limiter)
     alpha, beta = bearer("sk-alpha-0123456789ab"), bearer("sk-beta-0123456789abc")
     assert [client.post("/v1/chat/completions", json=CHAT, headers=alpha).status_code for _ in range(2)] == [200, 200]
     refused = client.post("/v1/chat/completions", json=CHAT, headers=alpha)
@@ -148,7 +148,7 @@ def test_a_key_past_its_limit_gets_its_429_before_any_work_its_body_would_cost()
     """The limits come first: a body never parsed, checked or built a grammar for (here one that
     would be a 400) still gets the key's 429, and counts against its limit."""
     limiter = LedgerHandle(RateLedger(requests_per_minute=1, tokens_per_minute=None))
-    client, handle = limited_client([Reply(200, b"{}")], limiter)
+    client, handle = limited_client([WholeAnswer(200, b"{}")], limiter)
     alpha = bearer("sk-alpha-0123456789ab") | {"Content-Type": "application/json"}
     not_json = client.post("/v1/chat/completions", content=b"{not json", headers=alpha)
     assert_openai_error(not_json, 400)  # within the limit: counted, then refused for what it is
@@ -158,7 +158,7 @@ def test_a_key_past_its_limit_gets_its_429_before_any_work_its_body_would_cost()
 
 
 def test_an_unreachable_limiter_admits_requests():
-    client, _ = limited_client([Reply(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
+    client, _ = limited_client([WholeAnswer(200, b"{}")], LedgerHandle(fail=ConnectionError("gone")))
     assert client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab")).status_code == 200
 
 
@@ -263,8 +263,8 @@ def test_a_requests_place_is_given_back_when_it_ends_whatever_its_answer():
     limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=1)
     keys = APIKeys("test keys", lambda: KEYS)
     client, _ = client_for(
-        [Reply(200, b"{}")],
-        then=[[Reply.error(400, "too long a prompt", "messages")], [Reply(200, b"{}")]],
+        [WholeAnswer(200, b"{}")],
+        then=[[WholeAnswer.error(400, "too long a prompt", "messages")], [WholeAnswer(200, b"{}")]],
         api_keys=keys,
         key_limits=limits,
     )
@@ -278,7 +278,7 @@ def test_a_requests_place_is_given_back_when_it_ends_whatever_its_answer():
 
 def test_unary_answers_are_charged_their_usage():
     limiter = LedgerHandle(RateLedger(requests_per_minute=None, tokens_per_minute=100))
-    client, handle = limited_client([Reply(200, b"{}", Outcome(30, 90))], limiter, counts_tokens=True)
+    client, handle = limited_client([WholeAnswer(200, b"{}", Outcome(30, 90))], limiter, counts_tokens=True)
     key = bearer("sk-alpha-0123456789ab")
     assert client.post("/v1/chat/completions", json=CHAT, headers=key).status_code == 200
     assert [tokens for _, tokens in limiter.charged] == [120]
@@ -297,7 +297,7 @@ def test_a_streams_usage_item_is_charged_and_never_written():
 
 def test_without_token_limits_nothing_is_charged():
     limiter = LedgerHandle(RateLedger(requests_per_minute=10, tokens_per_minute=None))
-    client, handle = limited_client([Reply(200, b"{}", Outcome(1, 1))], limiter)
+    client, handle = limited_client([WholeAnswer(200, b"{}", Outcome(1, 1))], limiter)
     client.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-alpha-0123456789ab"))
     assert len(handle.payloads) == 1 and limiter.charged == []
 

@@ -21,7 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from serve_app.front_door.telemetry.record import CLIENT_GONE, Phase, RequestRecord
 from serve_app.front_door.telemetry.request_log import RefusalBudget, completion_text, log_request, request_fields
 from serve_app.observability import tracing
-from serve_app.protocol import Outcome, Reply
+from serve_app.protocol import Outcome, WholeAnswer
 from tests.unit.front_door.fakes import CHAT, HANG, SHORT, RecordingMetrics, client_for
 
 ROLE = 'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
@@ -51,7 +51,7 @@ def test_a_stream_is_recorded_with_its_outcome_timings_and_phases():
 
 def test_a_unary_answer_carries_its_outcome():
     metrics = RecordingMetrics()
-    client, _ = client_for([Reply(200, b'{"choices":[]}', Outcome(5, 9, ("length",)))], metrics=metrics)
+    client, _ = client_for([WholeAnswer(200, b'{"choices":[]}', Outcome(5, 9, ("length",)))], metrics=metrics)
     assert client.post("/v1/completions", json={"model": "glm-4-9b-chat", "prompt": "x"}).status_code == 200
     [record] = metrics.records
     assert (record.endpoint, record.stream, record.finish_reason) == ("completion", False, "length")
@@ -201,7 +201,7 @@ def test_front_door_and_engine_spans_share_the_clients_trace(spans):
 
 def test_without_a_traceparent_the_front_door_starts_a_trace(spans):
     spans.clear()
-    client, handle = client_for([Reply(200, b"{}", Outcome(1, 1))])
+    client, handle = client_for([WholeAnswer(200, b"{}", Outcome(1, 1))])
     client.post("/v1/chat/completions", json=CHAT)
     [ingress] = spans.get_finished_spans()
     assert ingress.parent is None

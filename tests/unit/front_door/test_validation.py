@@ -17,7 +17,7 @@ from serve_app.errors import APIError
 from serve_app.front_door.admission.json_body import MAX_CONTAINERS, MAX_NESTING, decode_body, structure
 from serve_app.front_door.admission.request_cost import CostLimits
 from serve_app.front_door.admission.validation import parameter_path
-from serve_app.protocol import Reply
+from serve_app.protocol import WholeAnswer
 from tests.hostile_requests import (
     CHAT_PATH,
     COMPLETION_PATH,
@@ -39,7 +39,7 @@ from tests.unit.front_door.fakes import client_for
 def app():
     """The front door's app with an engine that answers every request it is sent with 200, and the
     serve config's bounds on what a request costs (grammars built first in a checker process)."""
-    return client_for([Reply(200, b"{}")], limit=8388608, costs=CostLimits.from_config(IngressConfig()))
+    return client_for([WholeAnswer(200, b"{}")], limit=8388608, costs=CostLimits.from_config(IngressConfig()))
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=lambda c: c.id)

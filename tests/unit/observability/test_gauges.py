@@ -1,10 +1,10 @@
-"""KeptGauges: the last value of each gauge and tag set is set again until the process ends."""
+"""RefreshedGauges: the last value of each gauge and tag set is set again until the process ends."""
 
 from __future__ import annotations
 
 import threading
 
-from serve_app.observability.gauges import KeptGauges
+from serve_app.observability.gauges import RefreshedGauges
 
 
 class RecordingGauge:
@@ -21,7 +21,7 @@ class RecordingGauge:
 
 
 def test_refresh_sets_the_last_value_of_each_tag_set_again():
-    gauge, kept = RecordingGauge(), KeptGauges(refresh_s=3600)
+    gauge, kept = RecordingGauge(), RefreshedGauges(refresh_s=3600)
     kept.set(gauge, 3, {"model": "a"})
     kept.set(gauge, 0, {"model": "a"})
     kept.set(gauge, 5, {"model": "b"})
@@ -32,7 +32,7 @@ def test_refresh_sets_the_last_value_of_each_tag_set_again():
 
 
 def test_a_background_thread_keeps_setting_the_value_while_nothing_changes():
-    gauge, kept = RecordingGauge(), KeptGauges(refresh_s=0.01)
+    gauge, kept = RecordingGauge(), RefreshedGauges(refresh_s=0.01)
     kept.set(gauge, 7, {"model": "a"})
     with gauge.changed:
         assert gauge.changed.wait_for(lambda: len(gauge.sets) >= 3, timeout=10)

@@ -42,10 +42,10 @@ async def test_a_posted_control_reaches_its_replica_and_its_state_comes_back():
     other = asyncio.create_task(board.post("replica-b", "state"))
     first = await board.next_for("replica-a")
     assert (first.control, first.pace) == ("pause", None)
-    board.reply(first.number, STATE)
+    board.acknowledge(first.number, STATE)
     assert await posted == STATE
     second = await board.next_for("replica-b")  # each replica has its own queue
-    board.reply(second.number, None, "'nonsense' is not a valid Control")
+    board.acknowledge(second.number, None, "'nonsense' is not a valid Control")
     with pytest.raises(ValueError, match="nonsense"):
         await other
 
@@ -56,13 +56,13 @@ async def test_a_control_posted_before_the_replica_follows_waits_for_it():
     await asyncio.sleep(0)  # a turn of the loop: the post runs, queues its control and waits
     follow = await board.next_for("late")
     assert (follow.control, follow.pace) == ("pace", 3.0)
-    board.reply(follow.number, STATE)
+    board.acknowledge(follow.number, STATE)
     assert await posted == STATE
 
 
 async def test_a_replica_that_never_applies_it_fails_the_post_naming_the_replica(monkeypatch):
-    monkeypatch.setattr(switchboard, "REPLY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(switchboard, "ACK_TIMEOUT_S", 0.05)
     board = Switchboard()
     with pytest.raises(TimeoutError, match="gone-replica"):
         await board.post("gone-replica", "resume")
-    board.reply(1, STATE)  # a late reply finds nobody waiting, and is dropped
+    board.acknowledge(1, STATE)  # a late acknowledgement finds nobody waiting, and is dropped

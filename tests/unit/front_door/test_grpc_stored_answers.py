@@ -1,4 +1,4 @@
-"""Kept answers of the gRPC API (serve_app/front_door/grpc_api/kept_answers.py) in the in-process
+"""Kept answers of the gRPC API (serve_app/front_door/grpc_api/stored_answers.py) in the in-process
 store: each response logged under its index and read back after any index; a cancel ends the log
 with a CANCELLED final. (Both stores meet the same log contract: test_stored_responses.py. A kept
 answer resumed through another replica: tests/e2e/test_stored_responses.py.)"""
@@ -13,7 +13,7 @@ import grpc
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.store import NO_OWNER
 from serve_app.front_door.grpc_api import generation_pb2 as pb
-from serve_app.front_door.grpc_api.kept_answers import follow_answer, new_answer, produce
+from serve_app.front_door.grpc_api.stored_answers import follow_answer, new_answer, produce
 
 
 async def kept(store: MemoryStore) -> dict:

@@ -1,4 +1,4 @@
-"""Kept answers of the gRPC API (``StreamRequest.keep``), in the Responses API's store and log.
+"""Stored answers of the gRPC API (``StreamRequest.store``), in the Responses API's store and log.
 
 A kept request is generated as a background answer is (:mod:`serve_app.front_door.core.background`):
 as a task of the replica that took it, detached from the call that asked, its lease renewed while
