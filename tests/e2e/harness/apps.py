@@ -282,10 +282,20 @@ STARTED_LATER = frozenset({"glm-w4a16"})
 QUANTISED_CHECKPOINT = "models/tiny-glm4-w4a16"  # `make tiny-model` writes it
 
 
+def cpu_kv_cache_dtype() -> str:
+    """The KV cache the 4-bit app asks vLLM's CPU engine for: ``fp8`` where this CPU runs it (x86
+    with AVX-512 or AMX, vLLM's own condition in its CPU attention backend: elsewhere its engine
+    refuses to start), else ``auto`` (the model's bf16); the test expects what was asked for."""
+    import torch
+
+    return "fp8" if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported() else "auto"
+
+
 def quantised_application() -> dict[str, Any]:
     """``glm-w4a16`` (``/w4a16``): deploy/config.cpu.yaml's application serving the tiny model's
-    4-bit copy with an FP8 KV cache, one replica (test_quantised_serving). Run eagerly
-    (``enforce_eager``, vLLM's own argument): the same 4-bit kernels and FP8 cache without
+    4-bit copy with an FP8 KV cache where the CPU runs one (:func:`cpu_kv_cache_dtype`), one replica
+    (test_quantised_serving). Run eagerly (``enforce_eager``, vLLM's own argument): the same 4-bit
+    kernels and KV cache without
     torch's inductor compiling the model as the engine starts (a minute of CPU with a cold
     compile cache, on the suite's start, for a few requests)."""
     app = cpu_application()
@@ -294,7 +304,7 @@ def quantised_application() -> dict[str, Any]:
     model["engine_args"] |= {
         "model": QUANTISED_CHECKPOINT,
         "quantization": "compressed-tensors",
-        "kv_cache_dtype": "fp8",
+        "kv_cache_dtype": cpu_kv_cache_dtype(),
         "enforce_eager": True,
     }
     model["deployment"].pop("autoscaling_config", None)
