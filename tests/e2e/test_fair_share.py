@@ -137,7 +137,8 @@ async def test_a_key_past_its_requests_at_once_is_refused_by_the_limiter_or_with
     ingress["rate_limits"]["deployment"] |= {"ray_actor_options": {"resources": {"nowhere": 1}}}
     unplaceable = tmp_path / "limiter-unplaceable.yaml"
     unplaceable.write_text(yaml.safe_dump(config, sort_keys=False))
-    # The application is this test's own: it stays so (no test uses it after).
+    # It stays so: test_answers_as_work, after it, holds a key to its cap without the limiter (the
+    # replica's own count of the key's requests, as this test's second half proves).
     await serve_deploy_preserving(unplaceable, bed.app.config_path, cluster)
 
     async def replaced() -> bool:
