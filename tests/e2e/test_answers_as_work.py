@@ -122,10 +122,12 @@ async def test_a_few_hundred_idle_stream_calls_of_one_key_leave_health_and_anoth
         for call in refused:  # (each one that is not the refusal, in the log: see below)
             if await call.call.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 print("refused call ended", await call.call.code(), await call.call.details())
-        # Each refusal is RESOURCE_EXHAUSTED naming the bound, but in 2 of 5 runs one or two of the
-        # 268 ended INTERNAL instead (a race of the refusal with the client's message, inside Ray's
-        # direct-ingress gRPC: its read-ahead of the call is cancelled as the handler returns; not
-        # reproduced outside Ray; open in issue 77's note): never any other status, never held.
+        # Each refusal should be RESOURCE_EXHAUSTED naming the bound, but some ended INTERNAL instead
+        # (in CI's run of 530697c and in one of this module's two runs here; how many of the 268 is
+        # not known): an open product defect of a Stream call refused before its messages are read
+        # (test_picker_keys's UNAUTHENTICATED refusal once ended INTERNAL "Internal error from
+        # Core" too), its cause not yet found (issue 77's note). Tolerated here until it is fixed:
+        # never any other status, never a held call.
         assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}, codes
         assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > codes[grpc.StatusCode.INTERNAL], codes
         exhausted = [call for call in refused if await call.call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
