@@ -89,6 +89,19 @@ def ends_once(result: Call) -> None:
     assert len(finals) == 1 and result.final.final, [r.final for r in result.responses]
 
 
+# What grpc's asyncio client reports, in place of the server's status, when one of its writes fails
+# because the server has already ended the call (grpc/aio/_call.py ``_write`` calls
+# ``set_internal_error``). With an interceptor the write runs in grpc's own task, which swallows
+# the error, so the call ends with this status. The server never sends these details.
+CLIENT_LOST_STATUS = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+
+def refused_as(code: grpc.StatusCode, details: str, refusal: grpc.StatusCode) -> bool:
+    """A call the server refused (with ``refusal``) while the client was still writing to it:
+    the client reads either the refusal or grpc's own lost-status INTERNAL, never anything else."""
+    return code == refusal or (code, details) == CLIENT_LOST_STATUS
+
+
 class Multiplexed:
     """One Stream call (glm4serve.v1.Generation/Stream) as a test drives it: requests sent when the
     test says, every response read as it comes and filed under its request's id."""
