@@ -10,6 +10,8 @@ variants (tests/e2e/harness/apps.py), through Serve's HAProxy to the model repli
   refused RESOURCE_EXHAUSTED past them; an idle call ends after ``grpc_stream.idle_timeout_s``.
 - ``glm-keyed``'s autoscaler (held at one replica: apps.COUNTED) reads 60 requests on one Stream
   call, and 60 background answers, as it reads 60 plain streams.
+- ``glm-keyed``: a Responses body of many input items, checked in the checker process, does not
+  hold up another key's stream on the same replica (the largest gap between its chunks printed).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ pytestmark = pytest.mark.applications("glm-keyed", "glm-limited")
 CAP = 2  # glm-limited's rate_limits.max_concurrent_requests
 OPEN_CALLS_PER_KEY = 32  # ingress.open_calls.max_per_key, as shipped
 ANSWERS = 60  # what the autoscaler is shown, each way
+
+
+LARGE_ITEMS = 8000  # the issue's body: 8,000 tiny input items (240 KB) held the replica's loop 0.5 s
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -200,4 +205,58 @@ async def test_the_autoscaler_reads_requests_on_a_stream_call_and_background_ans
         "the autoscaler read "
         + ", ".join(f"{value:.1f} for {ANSWERS} {way}" for way, value in read.items())
         + f"; at a target of {target} per replica each asks for {ANSWERS / target:.2f} replicas"
+    )
+
+
+async def timed_stream(
+    client: httpx.AsyncClient, body: dict, headers: dict[str, str], started: asyncio.Event | None = None
+) -> tuple[list[float], bool]:
+    """When each of a stream's events came (``started`` set at the first), and whether it ended ``[DONE]``."""
+    times, done = [], False
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                times.append(time.monotonic())
+                done = line == "data: [DONE]"
+                if started is not None:
+                    started.set()
+    return times, done
+
+
+def largest_gap(times: list[float]) -> float:
+    return max(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+
+
+async def test_a_large_responses_body_does_not_stall_another_keys_stream(keyed):
+    """A Responses body of LARGE_ITEMS input items, posted while another key's answer streams from the
+    same replica, is answered (its items checked in the checker process, not on the replica's event
+    loop) while the stream runs on to its end; the stream's largest gap between chunks is printed,
+    beside the same stream's alone."""
+    app = keyed.app
+    body = chat(app.model, 400, stream=True)
+    large = {
+        "model": app.model,
+        "input": [{"role": "user", "content": "hi"}] * LARGE_ITEMS,
+        "max_output_tokens": 1,
+    }
+    async with httpx.AsyncClient(base_url=app.url, timeout=60) as client:
+        alone, done = await timed_stream(client, body, bearer(LIGHT_KEY))
+        assert done
+        started = asyncio.Event()
+        stream = asyncio.create_task(timed_stream(client, body, bearer(LIGHT_KEY), started))
+        await asyncio.wait_for(started.wait(), 30)
+        posted_at = time.monotonic()
+        answer = await client.post("/v1/responses", json=large, headers=bearer(FLOOD_KEY))
+        answered_at = time.monotonic()
+        beside, done = await stream
+    assert done
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "input", answer.text
+    assert beside[-1] > answered_at, "the stream ended before the body was answered: nothing was measured"
+    print(
+        f"a Responses body of {LARGE_ITEMS} items ({len(httpx.Request('POST', '/', json=large).content) // 1000} KB)"
+        f" answered {answer.status_code} in {(answered_at - posted_at) * 1000:.0f} ms; another key's stream:"
+        f" largest gap between chunks {largest_gap(beside) * 1000:.0f} ms beside it,"
+        f" {largest_gap(alone) * 1000:.0f} ms alone"
     )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -25,6 +27,20 @@ def haproxy_starts() -> dict[int, float]:
         for process in psutil.process_iter(["pid", "name", "create_time"])
         if process.info["name"] == "haproxy"
     }
+
+
+def hard_stop_after_s() -> set[int]:
+    """``hard-stop-after`` in the configuration of each HAProxy process now running (read from the
+    file its command line names, ``-f``): how long after a reload its old process keeps streams."""
+    found = set()
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] != "haproxy":
+            continue
+        args = process.info["cmdline"] or []
+        with contextlib.suppress(ValueError, FileNotFoundError):  # (one that ended as it was read)
+            config = Path(args[args.index("-f") + 1]).read_text()
+            found |= {int(seconds) for seconds in re.findall(r"^\s*hard-stop-after\s+(\d+)s\s*$", config, re.M)}
+    return found
 
 
 @dataclass
