@@ -246,7 +246,7 @@ async def test_a_large_responses_body_does_not_stall_another_keys_stream(keyed):
         alone, done = await timed_stream(client, chat(app.model, 400, stream=True), bearer(LIGHT_KEY))
         assert done
         begun = asyncio.Event()
-        body = chat(app.model, 4000, stream=True)  # (seconds longer than the body takes)
+        body = chat(app.model, 1500, stream=True)  # (seconds longer than the body takes)
         stream = asyncio.create_task(timed_stream(client, body, bearer(LIGHT_KEY), begun))
         await asyncio.wait_for(begun.wait(), 30)
         posted_at = time.monotonic()
