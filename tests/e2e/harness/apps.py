@@ -326,9 +326,7 @@ def suite_config(http_port: int, grpc_port: int, env_vars: dict[str, str], workd
         cpu_application(),
         bed_application(),
         *variant_applications(workdir),
-        *(
-            [quantised_application()] if cpu_runs_4_bit_weights() else []
-        ),  # (an engine that cannot answer costs a minute)
+        *([quantised_application()] if cpu_runs_4_bit_weights() else []),
     ]
     for application in config["applications"]:
         application.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env_vars)
