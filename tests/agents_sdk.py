@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from typing import Annotated
 
 from agents import (
     Agent,
@@ -38,8 +39,14 @@ class Report(BaseModel):
     summary: str = Field(max_length=20)
 
 
+# The random model writes whatever the schema allows, and the call's argument comes back twice in
+# the next turn's prompt (the call and the tool's output): unbounded, a long one took that prompt
+# past the tiny model's context (889 of 1,024 tokens, with max_tokens 200 asked).
+City = Annotated[str, Field(max_length=20)]
+
+
 @function_tool
-def get_weather(city: str) -> str:
+def get_weather(city: City) -> str:
     """The current weather in a city."""
     CALLS.append(city)
     return f"It is sunny in {city}."
