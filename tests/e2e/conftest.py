@@ -143,8 +143,9 @@ USER_TOKEN_AT_START = token_file_state()  # read when pytest imports this file, 
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """The suite's own Ray head; this process and every Ray command the tests run use its token."""
+def ray_cluster(request: pytest.FixtureRequest):
+    """The suite's own Ray head; this process and every Ray command the tests run use its token.
+    When a test failed, what its logs say of engines that failed is printed before they go."""
     cluster = RayCluster()
     saved = {name: os.environ.get(name) for name in cluster.env}
     os.environ.update(cluster.env)
@@ -153,6 +154,8 @@ def ray_cluster():
         cluster.start()
         yield cluster
     finally:
+        if request.session.testsfailed:
+            print("\nengine failures in the suite's Ray logs:", *cluster.engine_failures() or ["none"], sep="\n  ")
         cluster.stop()
         for name, value in saved.items():
             if value is None:

@@ -21,6 +21,10 @@ import yaml
 
 from tests.repo.k8s_manifests import K8S, OVERLAYS, ROOT, kubectl, pod_templates
 
+# The scan is the module's cost (about a minute of CPU): its tests stay on one xdist worker
+# (`--dist loadgroup`, Makefile), which scans once, not once per worker.
+pytestmark = pytest.mark.xdist_group("checkov")
+
 CHECKOV = ROOT / ".venv-scan" / "bin" / "checkov"
 ACCEPTED = K8S / "checkov-accepted.yaml"
 SCANNED = {"base": K8S / "base", **{overlay: K8S / "overlays" / overlay for overlay in OVERLAYS}}

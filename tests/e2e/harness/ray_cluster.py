@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,10 @@ from tests.waiting import wait_until_blocking
 from tools.cluster_env import cluster_env
 
 START_TIMEOUT_S = 120
+# The lines of a replica's or an engine process's log that say why an engine stopped answering.
+ENGINE_FAILURE = re.compile(
+    r"taken as hung|vLLM engine died|EngineDeadError|EngineCore.*(ERROR|Error|Traceback|Killed)"
+)
 
 # Ray's metrics export interval in the suite's cluster (production: Ray's default, 10 s). The
 # tests that read metrics wait for an interval or two; they read it from here. Ray's agent drops
@@ -66,6 +71,11 @@ SUITE_TIMERS = {
     # 10.5% at 0.5 s, on a 2-core machine; every wait the tests make is a condition, so a state
     # seen up to 0.5 s later only shifts when it is seen.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Ray's agent reads every process's CPU and memory with psutil and exports them as the node's
+    # metrics this often (Ray's default: every 5 s): a fifth of the agent's CPU in a py-spy profile
+    # of the suite's start, for ray_node_* and ray_component_* series that no test, panel or rule
+    # reads (Serve's and vLLM's metrics are exported on their own interval, above).
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
 }
 
 
@@ -241,6 +251,23 @@ class RayCluster:
                 if self.process is not None:  # what the failed start left in its group (the GCS, the raylet)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.process.pid, signal.SIGKILL)
+
+    def engine_failures(self, limit: int = 60) -> list[str]:
+        """What the cluster's logs say of engines that failed: the replicas' engine watch (hung,
+        died) and vLLM's engine processes' errors, ``limit`` lines at most. A CI run's failure
+        prints them (its Ray directory is gone once the suite ends)."""
+        found: list[str] = []
+        logs = {
+            p.resolve()
+            for pattern in ("**/logs/serve/replica_*.log", "**/logs/worker-*")
+            for p in self.root.glob(pattern)
+        }
+        for path in sorted(logs):
+            with contextlib.suppress(OSError):
+                for line in path.read_text(errors="replace").splitlines():
+                    if ENGINE_FAILURE.search(line):
+                        found.append(f"{path.name}: {line[:400]}")
+        return found[-limit:]
 
     def stop(self) -> None:
         """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files,
