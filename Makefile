@@ -127,7 +127,7 @@ UNIT_NICENESS := 15
 
 unit: install tiny-model $(SCAN_STAMP) servers
 	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
-	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 --dist loadgroup tests/unit tests/repo; status=$$?; \
+	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) servers

@@ -10,6 +10,7 @@ checkov runs from its own environment (.venv-scan, made by `make test`), offline
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import subprocess
@@ -20,10 +21,6 @@ import pytest
 import yaml
 
 from tests.repo.k8s_manifests import K8S, OVERLAYS, ROOT, kubectl, pod_templates
-
-# The scan is the module's cost (about a minute of CPU): its tests stay on one xdist worker
-# (`--dist loadgroup`, Makefile), which scans once, not once per worker.
-pytestmark = pytest.mark.xdist_group("checkov")
 
 CHECKOV = ROOT / ".venv-scan" / "bin" / "checkov"
 ACCEPTED = K8S / "checkov-accepted.yaml"
@@ -70,8 +67,20 @@ def failed_checks(tmp: Path) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def failed(tmp_path_factory) -> dict[str, set[str]]:
-    return failed_checks(tmp_path_factory.mktemp("checkov"))
+def failed(tmp_path_factory, worker_id: str) -> dict[str, set[str]]:
+    """The scan, once per test run: it is the module's cost (about a minute of CPU), and under
+    xdist each worker that runs one of its tests would scan again. Workers share the run's base
+    directory; the first to take its lock scans and writes the result there (xdist's own recipe)."""
+    if worker_id == "master":  # no xdist: this process is the run
+        return failed_checks(tmp_path_factory.mktemp("checkov"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, above each worker's own
+    with (shared / "checkov.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = shared / "checkov-failed.json"
+        if not result.exists():
+            found = failed_checks(tmp_path_factory.mktemp("checkov"))
+            result.write_text(json.dumps({check: sorted(names) for check, names in found.items()}))
+        return {check: set(names) for check, names in json.loads(result.read_text()).items()}
 
 
 def accepted() -> dict[str, str]:
