@@ -6,9 +6,12 @@ an idle replica's "0 requests running" vanished from the scrape, so a dashboard
 showed "No data" and an alert could not tell 0 from a missing replica.
 
 :class:`RefreshedGauges` remembers the last value set for each gauge and tag set and
-sets them all again every fifth of the export interval (:func:`refresh_interval_s`) from a
-daemon thread, for as long as
-the process lives. A replica that is gone stops reporting, and its series age
+sets them all in Ray every fifth of the export interval (:func:`refresh_interval_s`) from a
+daemon thread, for as long as the process lives; ``set`` only remembers. Ray exports what
+was set last at each interval, so a value is exported at most a fifth of an interval later,
+and a change of phase costs the event loop a dict write, not Ray's record (a request moves
+phase 3-4 times: its Ray sets were a tenth of a CPU replica's loop while 600 requests
+arrived, docs/performance.md). A replica that is gone stops reporting, and its series age
 out as before.
 
 Runs in each model replica and each ReplicaPicker replica, a daemon thread in each.
@@ -35,27 +38,27 @@ class Gauge(Protocol):
 
 
 class RefreshedGauges:
-    """Sets gauges and keeps setting them to their last value."""
+    """Keeps the last value of each gauge and sets it in Ray, again and again, from its thread."""
 
     def __init__(self, refresh_s: float | None = None) -> None:
         self.refresh_s = refresh_s  # None: read from Ray's config when the refreshing starts
         self._last: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Gauge, float, dict[str, str]]] = {}
-        self._lock = threading.Lock()  # a refresh never writes a value older than one just set
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def set(self, gauge: Gauge, value: float, tags: dict[str, str]) -> None:
         with self._lock:
             self._last[id(gauge), frozenset(tags.items())] = (gauge, value, tags)
-            gauge.set(value, tags=tags)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="refreshed-gauges", daemon=True)
                 self._thread.start()
 
     def refresh(self) -> None:
         with self._lock:
-            for gauge, value, tags in self._last.values():
-                gauge.set(value, tags=tags)
+            last = list(self._last.values())
+        for gauge, value, tags in last:  # (outside the lock: a set never waits for Ray's records)
+            gauge.set(value, tags=tags)
 
     def stop(self) -> None:
         self._stop.set()
