@@ -142,10 +142,15 @@ def token_file_state(path: Path = USER_TOKEN) -> tuple[bytes, int] | None:
 USER_TOKEN_AT_START = token_file_state()  # read when pytest imports this file, before any cluster starts
 
 
+# What the suite's Ray logs said of engines that failed, read before its Ray directory goes when a
+# test failed; the run's summary prints it (a fixture's own output shows only with a failing test's).
+ENGINE_FAILURES: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(request: pytest.FixtureRequest):
     """The suite's own Ray head; this process and every Ray command the tests run use its token.
-    When a test failed, what its logs say of engines that failed is printed before they go."""
+    When a test failed, what its logs say of engines that failed is kept for the run's summary."""
     cluster = RayCluster()
     saved = {name: os.environ.get(name) for name in cluster.env}
     os.environ.update(cluster.env)
@@ -155,7 +160,7 @@ def ray_cluster(request: pytest.FixtureRequest):
         yield cluster
     finally:
         if request.session.testsfailed:
-            print("\nengine failures in the suite's Ray logs:", *cluster.engine_failures() or ["none"], sep="\n  ")
+            ENGINE_FAILURES[:] = cluster.engine_failures() or ["none"]
         cluster.stop()
         for name, value in saved.items():
             if value is None:
@@ -163,6 +168,13 @@ def ray_cluster(request: pytest.FixtureRequest):
             else:
                 os.environ[name] = value
         reload_ray_auth_settings()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if ENGINE_FAILURES:
+        terminalreporter.section("engine failures in the suite's Ray logs")
+        for line in ENGINE_FAILURES:
+            terminalreporter.write_line(line)
 
 
 def reload_ray_auth_settings() -> None:

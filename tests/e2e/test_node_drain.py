@@ -179,7 +179,12 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                     return await holding() == (held, held_elsewhere + AFTER_STOP)
 
                 # Still paused, so whatever a replica admits stays in its count: all went to the other.
-                await wait_until(all_admitted_elsewhere, 30, f"the other replica holding the {AFTER_STOP} new requests")
+                try:
+                    await wait_until(
+                        all_admitted_elsewhere, 30, f"the other replica holding the {AFTER_STOP} new requests"
+                    )
+                except AssertionError as failed:  # where they went instead (drained, other)
+                    raise AssertionError(f"{failed}; held {await holding()}, from {(held, held_elsewhere)}") from None
             # The engines resume: the stopping replica finishes what it holds.
             results = await asyncio.gather(*streams)
             answers = await asyncio.gather(*after)
