@@ -41,6 +41,7 @@ import yaml
 
 from tests.e2e.harness.apps import application
 from tests.e2e.harness.bodies import LONG, chat
+from tests.e2e.harness.haproxy import watching_reloads
 from tests.e2e.harness.ray_cluster import RayNode
 from tests.e2e.harness.serve_state import (
     DeploymentName,
@@ -127,7 +128,10 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
             return await ongoing_at(victim), await ongoing_at(other)
 
         limits = httpx.Limits(max_connections=MAX_STREAMS + AFTER_STOP)
-        async with httpx.AsyncClient(base_url=app.origin, timeout=300, limits=limits) as client:
+        async with (
+            httpx.AsyncClient(base_url=app.origin, timeout=300, limits=limits) as client,
+            watching_reloads() as reloads,
+        ):
             async with SimulatedEngines(MODEL).paused():
                 streams: list[asyncio.Task[tuple[int, list[str]]]] = []
                 while min(held_by_each := await holding()) < HELD_EACH:
@@ -141,7 +145,7 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
 
                     await wait_until(admitted, 30, f"stream {len(streams)} held by a replica")
                 held, held_elsewhere = await holding()
-                started = time.monotonic()
+                started, drain_from = time.monotonic(), time.time()
                 hook_log = tmp_path / "hook.log"
                 gcs = gcs_server_pid(ray_cluster.gcs_port)
                 os.kill(gcs, signal.SIGSTOP)
@@ -170,6 +174,12 @@ async def test_a_drained_node_finishes_its_streams_while_new_requests_go_elsewhe
                 finally:
                     os.kill(gcs, signal.SIGCONT)
                 await wait_until(_stopping, 60, "Serve stopping the drained node's replica")
+                # Serve takes a stopping replica out of HAProxy's backends by reloading it: requests
+                # sent before the new HAProxy process runs may still reach the stopping replica (which
+                # answers them, as its drain lets it; seen in two CI runs here), so they wait for it.
+                await wait_until(
+                    lambda: reloads.first_after(drain_from) is not None, 60, "HAProxy reloaded after the drain began"
+                )
                 body = chat(app.model, 16)
                 after = [
                     asyncio.create_task(client.post("/drain/v1/chat/completions", json=body)) for _ in range(AFTER_STOP)
