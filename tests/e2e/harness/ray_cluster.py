@@ -33,6 +33,9 @@ START_TIMEOUT_S = 120
 ENGINE_FAILURE = re.compile(
     r"taken as hung|vLLM engine died|EngineDeadError|EngineCore.*(ERROR|Error|Traceback|Killed)"
 )
+# A traceback's frames and markers in vLLM's log lines (``[core.py:1512]   File ...``, its
+# source lines and ``^^^``, ``Traceback (most recent call last):``): left out of what is printed.
+TRACEBACK_FRAME = re.compile(r"\[\S+:\d+\] (\s|\^|Traceback)")
 
 # Ray's metrics export interval in the suite's cluster (production: Ray's default, 10 s). The
 # tests that read metrics wait for an interval or two; they read it from here. Ray's agent drops
@@ -254,9 +257,10 @@ class RayCluster:
 
     def engine_failures(self, limit: int = 60) -> list[str]:
         """What the cluster's logs say of engines that failed: the replicas' engine watch (hung,
-        died) and vLLM's engine processes' errors, ``limit`` lines at most. A CI run's failure
-        prints them (its Ray directory is gone once the suite ends)."""
-        found: list[str] = []
+        died) and vLLM's engine processes' errors, ``limit`` lines at most. A traceback is cut to
+        its headline and its exception (its frames would crowd the exception out of a CI log's
+        excerpt). A CI run's failure prints them (its Ray directory is gone once the suite ends)."""
+        found: dict[str, None] = {}
         logs = {
             p.resolve()
             for pattern in ("**/logs/serve/replica_*.log", "**/logs/worker-*")
@@ -265,9 +269,9 @@ class RayCluster:
         for path in sorted(logs):
             with contextlib.suppress(OSError):
                 for line in path.read_text(errors="replace").splitlines():
-                    if ENGINE_FAILURE.search(line):
-                        found.append(f"{path.name}: {line[:400]}")
-        return found[-limit:]
+                    if ENGINE_FAILURE.search(line) and not TRACEBACK_FRAME.search(line):
+                        found.setdefault(f"{path.name[-16:]}: {line[:400]}")
+        return list(found)[:limit]
 
     def stop(self) -> None:
         """Stop this cluster's head (and with it its raylet, GCS and workers), nothing else; remove its files,
