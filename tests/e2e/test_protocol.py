@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import yaml
@@ -148,6 +150,23 @@ async def test_prompt_over_the_context_is_400_with_both_numbers(app, client):
 async def test_server_still_answers_after_bad_requests(app, client):
     response = await client.post("/v1/chat/completions", json=chat(app.model))
     assert response.status_code == 200
+
+
+async def test_seeded_prompts_past_one_steps_tokens_are_all_answered(app, client):
+    """Six seeded requests at once whose prompts (about 850 tokens each) together pass what the
+    engine computes in one step (vLLM's max_num_batched_tokens, 2,048 on CPU) are all answered.
+    With chunked prefill, a step prefilled part of a prompt and vLLM rewound that seeded request's
+    generator with a call CPU generators lack: the engine died with the six (seen in CI, under
+    test_structured_outputs.py's seeded schemas). deploy/config.cpu.yaml prefills each prompt whole."""
+
+    def seeded(i: int) -> dict:
+        prompt = " ".join(f"item{i}-{n}" for n in range(100))  # distinct: no prefix-cache hit
+        return {"model": app.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "seed": i}
+
+    answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=seeded(i)) for i in range(6)))
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200][:1]
+    prompt_tokens = [a.json()["usage"]["prompt_tokens"] for a in answers]
+    assert sum(prompt_tokens) > 2048 and max(prompt_tokens) < 1024, prompt_tokens
 
 
 async def test_answer_length_is_bounded_by_the_models_ceiling(app, client):
