@@ -155,6 +155,22 @@ def process_logging_preserved() -> Iterator[None]:
                 handler.setTarget(target)
 
 
+def cache_environment() -> None:
+    """vLLM's environment variables read once from now on, in this process.
+
+    ``vllm.envs`` reads a variable from the environment at each access until
+    ``enable_envs_cache`` is called, which vLLM does in its engine and worker
+    processes once they start (``EngineCore.__init__``), not in the front end's:
+    there the output processor reads ``VLLM_COMPUTE_NANS_IN_LOGITS`` for each
+    output of each engine step, about 5% of the event loop's busy time under a
+    burst of streams (docs/performance.md). Called once the replica's engine
+    and serving objects are built; nothing here sets a ``VLLM_*`` variable later.
+    """
+    from vllm import envs
+
+    envs.enable_envs_cache()
+
+
 def generation_config_fields(engine: Any) -> dict[str, Any]:
     """The generation config the engine's input processor applies to every request (mutable)."""
     return engine.input_processor.generation_config_fields

@@ -70,6 +70,19 @@ def test_the_engine_has_its_generation_config_and_error_propagation() -> None:
     assert list(inspect.signature(OutputProcessor.propagate_error).parameters) == ["self", "e"]
 
 
+def test_once_the_environment_is_cached_vllm_reads_a_variable_no_more(monkeypatch) -> None:
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
+    try:
+        vllm_internals.cache_environment()
+        monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
+        assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is False
+    finally:
+        envs.disable_envs_cache()  # (the test process's other tests read the environment)
+    assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is True
+
+
 def test_the_ray_stat_logger_gauge_class_is_the_switch_that_is_replaced() -> None:
     from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
 
