@@ -112,11 +112,9 @@ def prompt_token_count(serving: Any, engine_input: Any) -> int:
 
 
 def use_chat_parser(state: Any, parser_cls: type) -> None:
-    """Make ``parser_cls`` the parser of the chat and Responses serving objects and of the online renderer.
-
-    vLLM composes its generic parser around the configured tool parser; no
-    argument selects a whole parser class.
-    """
+    """Make ``parser_cls`` the parser of the chat and Responses serving objects and of the online
+    renderer (vLLM composes its generic parser around the configured tool parser; no argument selects
+    a whole parser class)."""
     state.openai_serving_chat.parser_cls = parser_cls
     state.openai_serving_responses.parser = parser_cls
     state.online_renderer.parser = parser_cls
@@ -156,16 +154,9 @@ def process_logging_preserved() -> Iterator[None]:
 
 
 def cache_environment() -> None:
-    """vLLM's environment variables read once from now on, in this process.
-
-    ``vllm.envs`` reads a variable from the environment at each access until
-    ``enable_envs_cache`` is called, which vLLM does in its engine and worker
-    processes once they start (``EngineCore.__init__``), not in the front end's:
-    there the output processor reads ``VLLM_COMPUTE_NANS_IN_LOGITS`` for each
-    output of each engine step, about 5% of the event loop's busy time under a
-    burst of streams (docs/performance.md). Called once the replica's engine
-    and serving objects are built; nothing here sets a ``VLLM_*`` variable later.
-    """
+    """vLLM's environment variables read once from now on in this process, as vLLM's engine processes
+    do once started (``enable_envs_cache``): the front end's output processor read one for each output
+    of each engine step (docs/performance.md). Nothing here sets a ``VLLM_*`` variable later."""
     from vllm import envs
 
     envs.enable_envs_cache()
@@ -190,9 +181,8 @@ def replace_engine_core(make_core: Callable[[Any, Any], Any]) -> Callable[[], No
     """From now on, every ``AsyncLLM`` built talks to ``make_core(vllm_config, renderer)`` instead
     of starting vLLM's engine-core process; returns what puts vLLM's factory back.
 
-    ``AsyncLLM`` builds its engine-core client with
-    ``EngineCoreClient.make_async_mp_client``; no argument supplies another client,
-    so that factory is replaced (process-wide).
+    ``AsyncLLM`` builds its engine-core client with ``EngineCoreClient.make_async_mp_client``; no
+    argument supplies another client, so that factory is replaced (process-wide).
     """
     from vllm.v1.engine.core_client import EngineCoreClient
 
@@ -234,12 +224,11 @@ def ray_stat_logger(
 ) -> type:
     """vLLM's Ray stat logger, its gauges set through ``set_gauge(metric, value, tags)``.
 
-    The logger's ``_gauge_cls`` (vLLM's switch between Prometheus and Ray gauges)
-    is replaced; each gauge's Ray metric and tags are ``metric`` and ``_tags``.
-    The logger records empty stats at start, so its gauges read 0 before the
-    engine's first step, and passes the prefix-cache counters (which vLLM's Ray
-    wrapper never increments by 0, so they would appear at the first hit) to
-    ``start_counter(metric, tags)``.
+    The logger's ``_gauge_cls`` (vLLM's switch between Prometheus and Ray gauges) is replaced;
+    each gauge's Ray metric and tags are ``metric`` and ``_tags``. The logger records empty stats
+    at start, so its gauges read 0 before the engine's first step, and passes the prefix-cache
+    counters (which vLLM's Ray wrapper never increments by 0, so they would appear at the first
+    hit) to ``start_counter(metric, tags)``.
     """
     from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
     from vllm.v1.metrics.stats import SchedulerStats
