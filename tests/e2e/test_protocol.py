@@ -153,7 +153,7 @@ async def test_server_still_answers_after_bad_requests(app, client):
 
 
 async def test_seeded_prompts_past_one_steps_tokens_are_all_answered(app, client):
-    """Six seeded requests at once whose prompts (about 850 tokens each) together pass what the
+    """Six seeded requests at once whose prompts (790 tokens each) together pass what the
     engine computes in one step (vLLM's max_num_batched_tokens, 2,048 on CPU) are all answered.
     With chunked prefill, a step prefilled part of a prompt and vLLM rewound that seeded request's
     generator with a call CPU generators lack: the engine died with the six (seen in CI, under
