@@ -1,11 +1,9 @@
 """Every place the app reaches into vLLM past its documented API, in one module.
 
-vLLM's serving classes, engine and metrics are reused as they are; a few of
-their internals are read or replaced to finish them for GLM-4 and for serving
-under Ray. Each such touch is a function here, named for what it does, so a vLLM
-upgrade has one module to review. ``tests/unit/test_vllm_internals.py`` fails on
-any vLLM version other than :data:`WRITTEN_AGAINST` and checks that every
-attribute named here still exists in the installed vLLM.
+vLLM's serving classes, engine and metrics are reused as they are; a few of their internals are
+read or replaced to finish them for GLM-4 and for serving under Ray. Each such touch is a function
+here, named for what it does, so a vLLM upgrade has one module to review. ``tests/unit/
+test_vllm_internals.py`` fails on any vLLM but :data:`WRITTEN_AGAINST` and checks each attribute named here.
 
 Runs in each model replica (and its checker process, and vLLM's processes through the GLM-4 plugin),
 and in the application's build (the config's checks).
@@ -153,13 +151,15 @@ def process_logging_preserved() -> Iterator[None]:
                 handler.setTarget(target)
 
 
-def cache_environment() -> None:
-    """vLLM's environment variables read once from now on in this process, as vLLM's engine processes
-    do once started (``enable_envs_cache``): the front end's output processor read one for each output
-    of each engine step (docs/performance.md). Nothing here sets a ``VLLM_*`` variable later."""
+def settle_after_start() -> None:
+    """As vLLM's server once its engine is up: ``VLLM_*`` variables read once from now on (the output
+    processor read one per output per step), and the startup heap frozen: a full collection walked
+    every object the imports made, about 680,000 (0.4 s of stalled loop; docs/performance.md)."""
     from vllm import envs
+    from vllm.utils.gc_utils import freeze_gc_heap
 
     envs.enable_envs_cache()
+    freeze_gc_heap()
 
 
 def generation_config_fields(engine: Any) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class EngineServer:
             progress=progress,
         )
         self.watch.start()
-        vllm_internals.cache_environment()
+        vllm_internals.settle_after_start()
         logger.info(
             "model %s ready (max_model_len=%d, eos/stop token ids=%s)",
             model.name,

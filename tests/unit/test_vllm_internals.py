@@ -70,16 +70,26 @@ def test_the_engine_has_its_generation_config_and_error_propagation() -> None:
     assert list(inspect.signature(OutputProcessor.propagate_error).parameters) == ["self", "e"]
 
 
-def test_once_the_environment_is_cached_vllm_reads_a_variable_no_more(monkeypatch) -> None:
+def test_once_settled_vllm_reads_a_variable_no_more_and_the_startup_heap_is_frozen(monkeypatch) -> None:
+    """As vLLM's server once its engine is up: a full collection no longer walks what was made before."""
+    import gc
+
     from vllm import envs
 
     monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "0")
+
+    class MadeBefore:
+        pass
+
+    made_before = MadeBefore()  # a GC-tracked object
     try:
-        vllm_internals.cache_environment()
+        vllm_internals.settle_after_start()
         monkeypatch.setenv("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
         assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is False
+        assert gc.get_freeze_count() > 0 and not any(o is made_before for o in gc.get_objects())
     finally:
         envs.disable_envs_cache()  # (the test process's other tests read the environment)
+        gc.unfreeze()
     assert envs.VLLM_COMPUTE_NANS_IN_LOGITS is True
 
 
