@@ -107,17 +107,21 @@ servers:
 
 
 # The whole suite: the unit tests (on both cores) and the end-to-end tests (one Ray cluster of their
-# own, shared), two pytest runs that share nothing. `make test` runs them one after the other. Under
-# `make --jobs test` (CI) the end-to-end suite starts its applications first (beside them, the unit
-# tests slowed that start more than they gained), then the unit tests run beside its first tests,
-# and its tests marked `alone` wait for their end: files named by SUITE_MARKS tell each run where
-# the other is (made whatever the run's result; make fails the goal if either failed).
-# Each run collects only its own folder: collecting the other half cost 7-17 s of CPU first.
+# own, shared), two pytest runs that share nothing. `make test` runs them one after the other; the
+# end-to-end tests on a Ray cluster of their own (marked own_cluster: none of the suite's
+# applications) then run with the unit tests. Under `make --jobs test` (CI) the end-to-end suite
+# starts its applications and runs its busiest modules first, alone; then the unit tests run beside
+# its quieter modules, which wait on timers more, and its tests marked `alone` wait for their end:
+# files named by SUITE_MARKS tell each run where the other is (made whatever the run's result; make
+# fails the goal if either failed). Each run collects only its own files: collecting the other half
+# cost 7-17 s of CPU first.
 test: unit e2e
+
+OWN_CLUSTER_TESTS := $(shell grep -l "pytest.mark.own_cluster" tests/e2e/test_*.py)
 
 ifneq ($(filter test,$(MAKECMDGOALS)),)
 SUITE_MARKS := $(shell mktemp -u /tmp/glm4-test-run.XXXXXX)
-WAIT_FOR_APPS := timeout 900 sh -c 'until test -e $(SUITE_MARKS).apps-up; do sleep 1; done' || true
+WAIT_TO_START := timeout 1200 sh -c 'until test -e $(SUITE_MARKS).unit-start; do sleep 1; done' || true
 endif
 
 # Beside the end-to-end suite, the unit tests run at the priority Ray gives its workers (Ray's
@@ -126,14 +130,15 @@ endif
 UNIT_NICENESS := 15
 
 unit: install tiny-model $(SCAN_STAMP) servers
-	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_FOR_APPS);; esac)
-	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 tests/unit tests/repo; status=$$?; \
+	$(if $(SUITE_MARKS),@case '$(MAKEFLAGS)' in (*-j*) $(WAIT_TO_START);; esac)
+	$(if $(SUITE_MARKS),nice -n $(UNIT_NICENESS)) $(BIN)/python -m pytest -v --durations=0 -n 2 \
+		$(if $(SUITE_MARKS),$(OWN_CLUSTER_TESTS)) tests/unit tests/repo; status=$$?; \
 	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-ended;) exit $$status
 
 e2e: install tiny-model $(CLIENTS_STAMP) servers
-	$(if $(SUITE_MARKS),E2E_APPS_UP=$(SUITE_MARKS).apps-up E2E_AFTER_UNIT_TESTS=$(SUITE_MARKS).unit-ended) \
-	$(BIN)/python -m pytest -v --durations=0 tests/e2e; status=$$?; \
-	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).apps-up;) exit $$status
+	$(if $(SUITE_MARKS),E2E_UNIT_START=$(SUITE_MARKS).unit-start E2E_AFTER_UNIT_TESTS=$(SUITE_MARKS).unit-ended) \
+	$(BIN)/python -m pytest -v --durations=0 tests/e2e $(if $(SUITE_MARKS),-m "not own_cluster"); status=$$?; \
+	$(if $(SUITE_MARKS),touch $(SUITE_MARKS).unit-start;) exit $$status
 
 lint: $(PACKAGES)
 	$(BIN)/ruff check .

@@ -4,7 +4,8 @@ head's state survives (k8s/overlays/production/redis.yaml; docs/kubernetes.md, "
 Real processes throughout: the set's three Redis and three Sentinels, started by the scripts its
 ConfigMap ships (tests/e2e/harness/redis_set.py), and a Ray head of its own started as KubeRay
 starts one with GCS fault tolerance: the Redis address (here a Sentinel, as the overlay gives the
-Sentinels' Service), the password, a storage namespace.
+Sentinels' Service), the password, a storage namespace. It uses none of the suite's applications
+(``own_cluster``): under `make test` it runs beside the suite, with the unit tests (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 from tests.e2e.harness.ray_cluster import RayCluster
 from tests.e2e.harness.redis_set import RedisSet
 from tests.waiting import wait_until_blocking
+
+pytestmark = pytest.mark.own_cluster
 
 SET_UP_S = 60  # three Redis and three Sentinels find each other (Sentinel's gossip: every 2 s)
 FAILOVER_S = 60  # the overlay's down-after (5 s) plus an election and a promotion
