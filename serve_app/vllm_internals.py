@@ -2,8 +2,8 @@
 
 vLLM's serving classes, engine and metrics are reused as they are; a few of their internals are
 read or replaced to finish them for GLM-4 and for serving under Ray. Each such touch is a function
-here, named for what it does, so a vLLM upgrade has one module to review. ``tests/unit/
-test_vllm_internals.py`` fails on any vLLM but :data:`WRITTEN_AGAINST` and checks each attribute named here.
+here, named for what it does, so a vLLM upgrade has one module to review. Its unit tests fail on
+any vLLM but :data:`WRITTEN_AGAINST` and check that each attribute named here still exists.
 
 Runs in each model replica (and its checker process, and vLLM's processes through the GLM-4 plugin),
 and in the application's build (the config's checks).
