@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +30,7 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 # Serve's request-router API, which a custom request router subclasses and reads
 # (serve_app.routing.prefix_router's PrefixAffinityRouter); Ray keeps it under _private.
@@ -273,3 +274,54 @@ def ignore_client_control_headers() -> None:
 
     replica.parse_disconnect_disabled_header = lambda headers: False
     replica.parse_request_timeout_header = lambda headers, default_timeout_s: default_timeout_s
+
+
+# What a probe's path answers: a response, made from what the replica already holds (no await).
+ProbeAnswer = Callable[[], ASGIApp]
+
+
+def answer_probes_first(probes: Mapping[str, ProbeAnswer]) -> None:
+    """This process's Serve replica answers a ``GET`` of each of ``probes``' paths as soon as its own
+    HTTP server has read it, as Serve answers its ``/-/healthz`` there.
+
+    Serve's direct ingress (``Replica._direct_ingress_asgi``) otherwise gives every request its
+    record, a slot, a task that watches the client and a task that runs the application, which
+    waits for it: each a turn of the replica's event loop, and under a burst each turn waits
+    behind the requests ready before it. A probe answered first takes one turn. It is then in
+    neither Serve's request metrics nor its access log (HAProxy's metrics count it); a request
+    with an ``Origin`` header (a browser's, for CORS) goes the usual way. Called by each model
+    replica as it starts, before its server does; a later call replaces the paths.
+    """
+    from ray.serve._private import replica
+
+    global _probes
+    _probes = dict(probes)
+    if getattr(replica.Replica._direct_ingress_asgi, "answers_probes_first", False):
+        return
+    serve_asgi = replica.Replica._direct_ingress_asgi
+
+    async def direct_ingress_asgi(self: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET":
+            answer = _probes.get(_app_path(scope, self._route_prefix))
+            if answer is not None and not any(name == b"origin" for name, _ in scope.get("headers", ())):
+                await answer()(scope, receive, send)
+                return
+        await serve_asgi(self, scope, receive, send)
+
+    direct_ingress_asgi.answers_probes_first = True  # type: ignore[attr-defined]
+    replica.Replica._direct_ingress_asgi = direct_ingress_asgi
+
+
+_probes: dict[str, ProbeAnswer] = {}
+
+
+def _app_path(scope: Scope, route_prefix: str | None) -> str:
+    """The request's path below the application's route prefix, as Serve's direct ingress reads
+    it (the server's ``root_path``, then the prefix); empty outside the prefix."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    path = path[len(root) :]
+    if not route_prefix or route_prefix == "/":
+        return path
+    if path != route_prefix and not path.startswith(route_prefix + "/"):
+        return ""
+    return path[len(route_prefix) :]

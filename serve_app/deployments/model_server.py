@@ -40,10 +40,15 @@ from serve_app.front_door.core.readiness import ReadinessWatch
 from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService, GRPCContext
-from serve_app.front_door.http_api.app import build_http_app
+from serve_app.front_door.http_api.app import build_http_app, probe_answers
 from serve_app.front_door.telemetry.metrics import ServingMetrics
 from serve_app.protocol import AnswerItem
-from serve_app.serve_internals import AUTOSCALING_COUNT, ignore_client_control_headers, replica_states
+from serve_app.serve_internals import (
+    AUTOSCALING_COUNT,
+    answer_probes_first,
+    ignore_client_control_headers,
+    replica_states,
+)
 
 
 def generation_slots(model: ModelConfig, config: AppConfig) -> GenerationSlots | None:
@@ -129,6 +134,7 @@ class ModelServer:
             engine_serves=lambda: not self.engine.watch.failed,
         )
         self.grpc = GenerationService(self.core, default_endpoints(), self.readiness)
+        answer_probes_first(probe_answers(self.readiness))  # (before Serve starts this replica's server)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return build_http_app(self.core, self.readiness)

@@ -20,10 +20,13 @@ import asyncio
 import json
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray.util.state import list_actors
 
@@ -120,6 +123,27 @@ async def test_a_client_slower_to_send_its_body_than_serves_default_wait_is_answ
         response = await client.post(CHAT_PATH, content=after_serves_default_wait(), headers=headers)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
+
+
+async def test_health_is_answered_before_serves_work_for_a_request(direct: RunningApp) -> None:
+    """Behind HAProxy the model replica answers ``GET /health`` as soon as its own HTTP server has
+    read it (``serve_internals.answer_probes_first``): the readiness answer as ever, and no line in
+    Serve's access log of the replica, where the model list asked for after it has one."""
+    probe_id, listed_id = f"probe-{uuid.uuid4().hex}", f"models-{uuid.uuid4().hex}"
+    async with httpx.AsyncClient(base_url=direct.url, timeout=30) as client:
+        health = await client.get("/health", headers={"X-Request-Id": probe_id})
+        models = await client.get("/v1/models", headers={"X-Request-Id": listed_id})
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    assert models.status_code == 200, models.text
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path(), "logs", "serve")
+
+    def after_the_model_list() -> str | None:
+        """Every line of the app's replicas' Serve logs, once the model list's access line is there."""
+        text = "".join(path.read_text(errors="replace") for path in logs.glob(f"replica_{NAME}_*.log"))
+        return text if listed_id in text else None
+
+    written = await wait_until(after_the_model_list, 30, "the model list's access line")
+    assert probe_id not in written
 
 
 async def test_the_grpc_api_is_answered_by_the_model_replica(direct: RunningApp) -> None:

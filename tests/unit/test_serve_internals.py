@@ -8,9 +8,13 @@ Lua action, ``ray/serve/_private/ingress_request_router.lua.tmpl``), then move
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import ray
 from ray.serve import Application
 from ray.serve._private import constants
@@ -119,3 +123,53 @@ def test_a_replicas_custom_autoscaling_metrics_replace_serves_own_count_of_its_r
         ReplicaMetricsManager.should_collect_ongoing_requests
     )
     assert "RUNNING_REQUESTS_KEY in replica_metric_report.metrics" in inspect.getsource(autoscaling_state)
+
+
+def test_serves_direct_ingress_entry_is_the_method_answer_probes_first_wraps() -> None:
+    """``answer_probes_first`` wraps ``Replica._direct_ingress_asgi(self, scope, receive, send)``, the
+    ASGI app each replica's own HTTP server is started with once the replica is built, and reads the
+    route as Serve does."""
+    from ray.serve._private import replica
+
+    method = replica.Replica._direct_ingress_asgi
+    assert list(inspect.signature(method).parameters) == ["self", "scope", "receive", "send"]
+    assert 'route = scope.get("path", "")[len(root_path) :]' in inspect.getsource(method)
+    start = inspect.getsource(replica.Replica._maybe_start_direct_ingress_servers)
+    assert "self._direct_ingress_asgi," in start
+
+
+def test_a_probe_is_answered_first_and_every_other_request_goes_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET of a probe's path is answered by the probe alone; a POST there, a GET elsewhere and a
+    browser's GET (an ``Origin`` header, for CORS) reach Serve's own entry."""
+    from ray.serve._private import replica
+
+    reached: list[str] = []
+
+    async def serve_entry(self: object, scope: dict, receive: object, send: object) -> None:
+        reached.append(f"{scope['method']} {scope['path']}")
+
+    monkeypatch.setattr(replica.Replica, "_direct_ingress_asgi", serve_entry)
+    answered: list[str] = []
+
+    def probe() -> Any:
+        async def respond(scope: dict, receive: object, send: object) -> None:
+            answered.append(f"{scope['method']} {scope['path']}")
+
+        return respond
+
+    serve_internals.answer_probes_first({"/health": probe})
+
+    def request(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None, prefix: str = "/") -> None:
+        scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": headers or []}
+        replica_of_app = SimpleNamespace(_route_prefix=prefix)
+        asyncio.run(replica.Replica._direct_ingress_asgi(replica_of_app, scope, None, None))
+
+    request("GET", "/health")
+    request("GET", "/app/health", prefix="/app")
+    request("POST", "/health")
+    request("GET", "/v1/models")
+    request("GET", "/health", [(b"origin", b"https://example.com")])
+    request("GET", "/health", prefix="/app")
+    request("GET", "/apphealth", prefix="/app")
+    assert answered == ["GET /health", "GET /app/health"]
+    assert reached == ["POST /health", "GET /v1/models", "GET /health", "GET /health", "GET /apphealth"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -115,14 +115,13 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(request.app.state.models.model_list())
 
 
-async def health(request: Request) -> Response:
+def health_response(readiness: Readiness) -> Response:
     """Readiness: 200 only when every configured model has a running, healthy replica; while
     Serve's controller does not answer, when this replica's engine serves.
 
     Answered from what :mod:`serve_app.front_door.core.readiness` last read, never by asking the
     controller; ``age_s`` says how old that is, ``controller_reachable`` whether it is too old.
     """
-    readiness: Readiness = request.app.state.readiness.readiness()
     age = None if readiness.age_s is None else round(readiness.age_s, 3)
     known = {"models": readiness.models, "age_s": age, "controller_reachable": readiness.controller_reachable}
     if readiness.ready:
@@ -130,9 +129,24 @@ async def health(request: Request) -> Response:
     return JSONResponse(error_body(503, readiness.problem(), code=UNAVAILABLE) | known, status_code=503)
 
 
-async def alive(request: Request) -> Response:
+def alive_response() -> Response:
     """Liveness: the model replica's process answers. Says nothing of the models (that is /health)."""
     return JSONResponse({"status": "alive"})
+
+
+def probe_answers(readiness: ReadinessSource) -> dict[str, Callable[[], Response]]:
+    """``/health`` and ``/health/live``, each answered from memory without an await: what the model
+    replica answers before Serve's work for a request (:func:`serve_app.serve_internals.answer_probes_first`),
+    and the routes below where Serve's proxy calls the application (a bare ``serve run``)."""
+    return {"/health": lambda: health_response(readiness.readiness()), "/health/live": alive_response}
+
+
+async def health(request: Request) -> Response:
+    return health_response(request.app.state.readiness.readiness())
+
+
+async def alive(request: Request) -> Response:
+    return alive_response()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
