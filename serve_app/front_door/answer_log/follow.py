@@ -19,6 +19,9 @@ from serve_app.front_door.answer_log.store import ResponseStore, StoredResponse,
 
 Failure = tuple[int, str, str | None]  # an answer's end in error: status, message, code
 
+# The longest a reader waits on a quiet log before asking whether its answer is still stored.
+QUIET_S = 1.0
+
 CANCELLED: Failure = (499, "the response was cancelled", "response_cancelled")
 REPLICA_LOST: Failure = (
     503,
@@ -68,21 +71,26 @@ async def end_if_orphaned(store: ResponseStore, found: StoredResponse) -> Stored
 
 async def follow(store: ResponseStore, response: dict[str, Any], after: int, wait_s: float) -> AsyncIterator[str]:
     """A background answer's events after ``after``: those logged, then each as it is logged, to
-    the last. If the log is quiet for ``wait_s`` and its producer's lease has lapsed, the answer
-    is ended here (:data:`REPLICA_LOST`), once for every reader."""
+    the last. Each time the log is quiet (for ``wait_s``, at most :data:`QUIET_S`) the reader asks
+    whether the answer is still stored: one deleted, evicted or expired ends here with a
+    ``response_gone`` event, within a second of it going and without spinning on a log that is no
+    longer there; one whose producer's lease has lapsed is ended here (:data:`REPLICA_LOST`), once
+    for every reader."""
     response_id = str(response["id"])
     while True:
-        events = await store.read(response_id, after, wait_s)
+        events = await store.read(response_id, after, min(wait_s, QUIET_S))
         for number, event in events:
             yield event
             after = number
             if is_terminal(event):
                 return
-        if events or await store.leased(response_id):
+        if events:
             continue
-        if not await store.exists(response_id):  # it expired, or was deleted, while read
+        if not await store.exists(response_id):  # it expired, or was deleted or evicted, while read
             yield responses_error_event(410, "the response is no longer stored", "response_gone", after + 1).decode()
             return
+        if await store.leased(response_id):
+            continue
         logged = await store.read(response_id, -1, 0)
         if logged and is_terminal(logged[-1][1]):
             if logged[-1][0] <= after:  # it ended at or before ``after``: nothing more comes

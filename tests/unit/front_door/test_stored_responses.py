@@ -12,7 +12,7 @@ from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
-from serve_app.front_door.answer_log.follow import CANCELLED, end_if_orphaned, finish, follow
+from serve_app.front_door.answer_log.follow import CANCELLED, QUIET_S, end_if_orphaned, finish, follow
 from serve_app.front_door.answer_log.history import output_as_input, with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.redis_store import RedisStore, StoreUnavailable, connect
@@ -176,6 +176,50 @@ async def test_readers_of_an_answer_whose_replica_died_all_get_one_failure_event
     ]
     assert '"code": "replica_lost"' in first[-1] and '"sequence_number": 2' in first[-1]
     assert (await store.load(rid, OWNER)).status == "failed"
+
+
+class CountedStore:
+    """A store whose calls are kept, by name and arguments: what a reader asks of it."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append((name, args))
+            return method(*args, **kwargs)
+
+        return counted
+
+
+async def test_a_follower_of_an_answer_deleted_while_it_runs_ends_gone_after_one_short_read(make_store):
+    """Deleted under its reader while its producer still holds the lease: the reader ends with
+    ``response_gone`` after one more read, of at most a second however long its caller would
+    wait, and one look; it read and asked for the lease again and again until the lease lapsed
+    (the in-process store answers both at once, so that loop never let the replica's event loop
+    turn: 1.18 M reads in a second in issue 78)."""
+    backing = make_store()
+    store = CountedStore(backing)
+    rid = unique("deleted")
+    queued = response(rid)
+    await backing.save(rid, OWNER, queued, [], background=True)
+    await backing.renew_lease([rid], 2)  # (bounds the old loop: it ended once the lease lapsed)
+    await backing.append(rid, 0, event("response.created", 0))
+    read: list[str] = []
+    before_delete = 0
+    async for logged in follow(store, queued, -1, 30.0):
+        read.append(logged)
+        if len(read) == 1:
+            await backing.delete(rid)
+            before_delete = len(store.calls)
+    assert [event_type(e) for e in read] == ["response.created", "error"]
+    assert '"code": "response_gone"' in read[-1] and '"sequence_number": 1' in read[-1]
+    after_delete = store.calls[before_delete:]
+    assert [name for name, _ in after_delete] == ["read", "exists"], after_delete[:5]
+    assert after_delete[0][1][2] == QUIET_S == 1.0  # the read's wait
 
 
 async def test_a_reader_after_the_last_event_of_an_ended_answer_reads_nothing_and_writes_nothing(make_store):
