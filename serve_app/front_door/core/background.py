@@ -211,6 +211,10 @@ class BackgroundAnswers:
                 task.cancel()
 
 
+class LogRefused(Exception):
+    """An answer's log refused its producer's next event: another writer ended it, or it is gone."""
+
+
 def replica_stopped() -> APIError:
     """The end of an answer still waiting for its places when its replica stops (or taken by one stopping)."""
     status, message, code = REPLICA_STOPPED
@@ -225,7 +229,11 @@ async def produce_response(
     time_limits: TimeLimits,
 ) -> None:
     """Generate a Responses API background answer once it has its permit, appending each event to its
-    log under its sequence number, and save its final object (``failed`` with the error that ended it)."""
+    log under its sequence number, and save its final object (``failed`` with the error that ended it).
+
+    The answer has one writer: once its log refuses an event (a reader ended it, its lease having
+    lapsed; or it was deleted or expired), the producer stops at once, aborting its engine request,
+    and writes nothing more, so an answer never has two ends."""
     response_id = str(response["id"])
     written = 0
     final: dict[str, Any] | None = None
@@ -234,7 +242,8 @@ async def produce_response(
 
     async def log(event: str) -> None:
         nonlocal written, final
-        await store.append(response_id, written, event)
+        if not await store.append(response_id, written, event):
+            raise LogRefused(response_id)
         if written == 0:
             await store.update(response_id, response | {"status": "in_progress"})
         written += 1
@@ -256,6 +265,9 @@ async def produce_response(
                         await log(event)
             if generation.error is not None:
                 failure, error_logged = (generation.error.status, generation.error.message, generation.error.code), True
+    except LogRefused:
+        logger.info("background response %s stopped: its log was ended or removed by another", response_id)
+        return  # (after the generation's aclose below)
     except asyncio.CancelledError:
         failure = CANCELLED
     except APIError as error:

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
-from serve_app.front_door.answer_log.follow import CANCELLED, QUIET_S, end_if_orphaned, finish, follow
+from serve_app.front_door.admission.deadlines import TimeLimits
+from serve_app.front_door.answer_log.follow import CANCELLED, QUIET_S, REPLICA_LOST, end_if_orphaned, finish, follow
 from serve_app.front_door.answer_log.history import output_as_input, with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.redis_store import RedisStore, StoreUnavailable, connect
 from serve_app.front_door.answer_log.store import ResponseStore, event_type, split_events
-from serve_app.front_door.core.background import BackgroundAnswers
+from serve_app.front_door.core.background import BackgroundAnswers, produce_response
 from serve_app.front_door.core.permit import Permit
 from tests.waiting import wait_until
 from tools.local_redis import LocalRedis
@@ -220,6 +223,61 @@ async def test_a_follower_of_an_answer_deleted_while_it_runs_ends_gone_after_one
     after_delete = store.calls[before_delete:]
     assert [name for name, _ in after_delete] == ["read", "exists"], after_delete[:5]
     assert after_delete[0][1][2] == QUIET_S == 1.0  # the read's wait
+
+
+class ScriptedGeneration:
+    """A Generation's surface (``start``, ``chunks``, ``error``, ``aclose``) over a script of events,
+    ``before`` awaited ahead of each: the producer's logic around a real store."""
+
+    def __init__(self, events: list[str], before: Callable[[int], Awaitable[None]]) -> None:
+        self.events, self.before = events, before
+        self.error = None
+        self.yielded = 0
+        self.closed = False
+
+    async def start(self) -> str:
+        return "began"
+
+    async def chunks(self) -> AsyncIterator[str]:
+        for number, text in enumerate(self.events):
+            await self.before(number)
+            self.yielded += 1
+            yield text
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_producer_whose_answer_a_reader_ended_stops_and_writes_nothing_more(make_store):
+    """A reader ends a running answer (its lease seen lapsed) between two of its events: the
+    producer's next event is refused, and it stops at once, closing its generation (which aborts
+    the engine request), with the reader's end the answer's only one: ``failed``, never then
+    ``completed`` (issue 78: ``in_progress`` -> ``failed`` -> ``incomplete``)."""
+    store = make_store()
+    rid = unique("two-writers")
+    queued = response(rid)
+    await store.save(rid, OWNER, queued, [], background=True)
+    kinds = ["response.created", "response.output_text.delta", "response.output_text.delta", "response.completed"]
+    script = [event(kind, n) for n, kind in enumerate(kinds)]
+    script[-1] = script[-1].replace(
+        '"sequence_number":3}', '"sequence_number":3,"response":' + json.dumps(response(rid, "completed")) + "}"
+    )
+
+    async def a_reader_ends_it_before_the_third(number: int) -> None:
+        if number == 2:
+            assert await finish(store, queued, 2, None, REPLICA_LOST)
+
+    generation = ScriptedGeneration(script, a_reader_ends_it_before_the_third)
+
+    async def permit() -> Any:
+        return None
+
+    await produce_response(store, queued, permit, lambda _permit, _deadline: generation, TimeLimits(60, 60))
+    assert generation.closed and generation.yielded == 3  # the refused event was its last
+    logged = [event_type(e) for _, e in await store.read(rid, -1, 0)]
+    assert logged == ["response.created", "response.output_text.delta", "error"]
+    ended = await store.load(rid, OWNER)
+    assert ended.status == "failed" and ended.response["error"]["code"] == "replica_lost"
 
 
 async def test_a_reader_after_the_last_event_of_an_ended_answer_reads_nothing_and_writes_nothing(make_store):
