@@ -50,12 +50,13 @@ async def one_run(url: str, model: str, tokens: int, delete_after_s: float) -> d
         body = {"model": model, "input": "Go on.", "background": True, "max_output_tokens": tokens, "ignore_eos": True}
         posted = await client.post("/v1/responses", json=body)
         posted.raise_for_status()
+        response_id = posted.json()["id"]
         stop = asyncio.Event()
         probes = asyncio.create_task(probe(prober, stop))
-        follower = asyncio.create_task(follow(client, posted.json()["id"]))
+        follower = asyncio.create_task(follow(client, response_id))
         await asyncio.sleep(delete_after_s)
         deleted_at = time.perf_counter()
-        deleted = await client.delete(f"/v1/responses/{posted.json()['id']}")
+        deleted = await client.delete(f"/v1/responses/{response_id}")
         events, ended_at = await follower
         await asyncio.sleep(1.0)
         stop.set()

@@ -257,11 +257,13 @@ async def test_a_producer_whose_answer_a_reader_ended_stops_and_writes_nothing_m
     rid = unique("two-writers")
     queued = response(rid)
     await store.save(rid, OWNER, queued, [], background=True)
-    kinds = ["response.created", "response.output_text.delta", "response.output_text.delta", "response.completed"]
-    script = [event(kind, n) for n, kind in enumerate(kinds)]
-    script[-1] = script[-1].replace(
-        '"sequence_number":3}', '"sequence_number":3,"response":' + json.dumps(response(rid, "completed")) + "}"
-    )
+    completed = {"type": "response.completed", "sequence_number": 3, "response": response(rid, "completed")}
+    script = [
+        event("response.created", 0),
+        event("response.output_text.delta", 1),
+        event("response.output_text.delta", 2),
+        f"event: response.completed\ndata: {json.dumps(completed)}\n\n",
+    ]
 
     async def a_reader_ends_it_before_the_third(number: int) -> None:
         if number == 2:
