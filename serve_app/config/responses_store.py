@@ -41,6 +41,21 @@ class RedisStoreConfig(StrictModel):
         description="The name the Sentinels know the primary by: the URL names a Sentinel, which is asked for "
         "the primary and, after a failover, for the new one.",
     )
+    timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="Longest a connection to Redis (or a Sentinel) may take to open, and a call to be written "
+        "or answered; a failed call is retried on a new connection for about a second more, then the store "
+        "is down for that call (503 store_unavailable, Retry-After).",
+    )
+    ride_through_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a running background or kept answer's writes, and its followers' reads, wait "
+        "for a Redis that stopped answering (a Sentinel failover: the Sentinels' down-after, 5 s as shipped, "
+        "then an election) before the answer or the follower ends with store_unavailable.",
+    )
 
     @model_validator(mode="after")
     def _one_password(self) -> RedisStoreConfig:

@@ -67,19 +67,9 @@ def test_the_head_keeps_its_state_when_the_redis_primary_is_lost(redis_set):
     """Pod 0's Redis (the first primary) is killed: the Sentinels promote a replica, the GCS exits
     (as its container would, to be restarted), the old primary returns as a replica, and the
     restarted head finds the detached actor it had."""
-    for pod in redis_set.pods:
-        redis_set.start(pod, "redis")
-        redis_set.start(pod, "sentinel")
-    first, *others = redis_set.pods
-
-    def set_up() -> bool:
-        expected = f"address=127.0.0.1:{first.redis_port},slaves={len(others)},sentinels={len(redis_set.pods)}"
-        return all(
-            any(expected in line for line in redis_set.ask(pod.sentinel_port, "INFO", "sentinel"))
-            for pod in redis_set.pods
-        )
-
-    wait_until_blocking(set_up, SET_UP_S, "every Sentinel watching pod 0's primary, its replicas and each other")
+    redis_set.start_all()
+    first = redis_set.pods[0]
+    wait_until_blocking(redis_set.set_up, SET_UP_S, "every Sentinel watching pod 0's primary, its replicas, each other")
 
     cluster = RayCluster(
         settings={
@@ -97,12 +87,8 @@ def test_the_head_keeps_its_state_when_the_redis_primary_is_lost(redis_set):
 
         redis_set.kill(first, "redis")
 
-        def promoted_port() -> int | None:
-            named = {redis_set.primary_named_by(pod) for pod in others}
-            return next((port for port in named if port not in (None, first.redis_port)), None)
-
         promoted = wait_until_blocking(
-            promoted_port,
+            lambda: redis_set.promoted(first),
             FAILOVER_S,
             "a replica promoted by the Sentinels",
         )

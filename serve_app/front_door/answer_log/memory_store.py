@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.front_door.answer_log.store import StoredResponse
+from serve_app.front_door.answer_log.store import StoredResponse, moves_forward
 
 
 @dataclass
@@ -76,10 +76,13 @@ class MemoryStore:
         while len(owned) > self.max_per_key:
             self._remove(next(iter(owned)))
 
-    async def update(self, response_id: str, response: dict[str, Any]) -> None:
-        if (stored := self._get(response_id)) is not None:
-            stored.response = response
-            self._touch(response_id, stored)
+    async def update(self, response_id: str, response: dict[str, Any]) -> bool:
+        stored = self._get(response_id)
+        if stored is None or not moves_forward(stored.response.get("status"), response.get("status")):
+            return False
+        stored.response = response
+        self._touch(response_id, stored)
+        return True
 
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._get(response_id)
@@ -99,8 +102,10 @@ class MemoryStore:
 
     async def append(self, response_id: str, sequence_number: int, event: str) -> bool:
         stored = self._get(response_id)
-        if stored is None or sequence_number != len(stored.events):
+        if stored is None or sequence_number > len(stored.events):
             return False
+        if sequence_number < len(stored.events):  # taken: by this same event (a retried call) or another
+            return stored.events[sequence_number] == event
         stored.events.append(event)
         self._touch(response_id, stored)
         stored.grew.set()

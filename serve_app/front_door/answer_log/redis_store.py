@@ -11,82 +11,115 @@ Keys, all under ``responses:`` and all expiring ``ttl_s`` after their last chang
 - ``responses:<id>:lease``: set for ``lease_s`` by the producing replica, renewed while it lives;
 - ``responses:owner:<owner>``: the owner's responses by creation time, for the count bound.
 
-A cancel is published on ``responses:cancel``; every replica listens, and the one generating
-the answer stops it. With ``sentinel_master`` the client asks the Sentinels for the primary, and
-again after a failover.
+An append and a status update are Lua scripts, each one step for Redis: an append is refused
+when the answer is gone or its number is another event's (the same event again, a retried call's,
+is taken as done), and a status never goes back (:mod:`.store`). A Sentinel failover can lose the
+last writes the old primary acknowledged (Redis replicates after it answers): an append that
+finds its log shorter than the writer left it writes the missing events again from the tail this
+writer keeps of each log it writes (:data:`TAIL_EVENTS`), so readers get every event once, in
+order. A cancel is published on ``responses:cancel``; every replica listens, and the one generating
+the answer stops it. The client, its timeouts and retries: :mod:`.redis_client`; a call that
+fails past them raises :class:`~.store.StoreDown`.
 
 Runs in each model replica.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
-import os
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis import asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serve_app.config import RedisStoreConfig
-from serve_app.front_door.answer_log.store import StoredResponse
-
-logger = logging.getLogger("ray.serve")
+from serve_app.front_door.answer_log.store import StoredResponse, is_terminal, store_down
 
 PREFIX = "responses:"
 CANCEL_CHANNEL = PREFIX + "cancel"
+TAIL_EVENTS = 256  # the last events of each log this replica writes, kept to write again after a failover
+TAILS = 256  # logs whose tails are kept (the most recently written)
+LISTEN_WAIT_S = 1.0  # the cancel listener's longest wait for a message, its connection checked meanwhile
+
+# KEYS: the response, its log. ARGV: the sequence number, the event, the expiry (ms). {1}: appended
+# (or this same event was, by a retried call); {0}: refused; {2, n}: the log ends at n, before the
+# number's predecessor (writes lost in a failover).
+APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local n = tonumber(ARGV[1])
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local at = -1
+if #last > 0 then at = tonumber(string.match(last[1][1], '%-(%d+)$')) - 1 end
+if at >= n then
+  local same = redis.call('XRANGE', KEYS[2], '0-' .. (n + 1), '0-' .. (n + 1))
+  if #same > 0 and same[1][2][2] == ARGV[2] then return {1} end
+  return {0}
+end
+if at < n - 1 then return {2, at} end
+redis.call('XADD', KEYS[2], '0-' .. (n + 1), 'e', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1}
+"""
+
+# KEYS: the response, its log. ARGV: the new object, its status, the expiry (ms). 1: updated.
+UPDATE = """
+local stored = redis.call('HGET', KEYS[1], 'response')
+if not stored then return 0 end
+local order = {queued = 0, in_progress = 1, completed = 2, incomplete = 2, failed = 2, cancelled = 2}
+local now = order[cjson.decode(stored).status] or 0
+local new = order[ARGV[2]] or 0
+if now == 2 or new < now then return 0 end
+redis.call('HSET', KEYS[1], 'response', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+# KEYS: the response, its log, its lease. ARGV: the prefix. Its owner's index forgets it too.
+DELETE = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner then redis.call('ZREM', ARGV[1] .. 'owner:' .. owner, ARGV[2]) end
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+"""
+
+P = ParamSpec("P")
+T = TypeVar("T")
+Method = Callable[Concatenate["RedisStore", P], Coroutine[Any, Any, T]]
 
 
-class StoreUnavailable(RuntimeError):
-    """The configured store cannot be used (its address is not in the replica's environment)."""
+def store_call(method: Method[P, T]) -> Method[P, T]:
+    """A store method whose Redis did not answer (after the client's retries) raises StoreDown."""
 
-
-def connect(config: RedisStoreConfig) -> aioredis.Redis:
-    """A client of the configured Redis, its address and password read from this replica's environment."""
-    url = os.environ.get(config.url_env, "")
-    if not url:
-        raise StoreUnavailable(
-            f"ingress.responses_store.redis names the environment variable {config.url_env} for Redis's URL, "
-            "and it is not set in this replica"
-        )
-    password = password_of(config)
-    if config.sentinel_master is None:
-        return aioredis.Redis.from_url(url, password=password)
-    from redis.asyncio.connection import parse_url
-    from redis.asyncio.sentinel import Sentinel
-
-    sentinel = parse_url(url)
-    sentinels = Sentinel(
-        [(sentinel.get("host", "localhost"), int(sentinel.get("port", 26379)))],
-        sentinel_kwargs={"password": password},
-        password=password,
-    )
-    return sentinels.master_for(config.sentinel_master)
-
-
-def password_of(config: RedisStoreConfig) -> str | None:
-    """Redis's password, from the file or the environment variable the config names (None: none)."""
-    if config.password_file is not None:
+    @functools.wraps(method)
+    async def call(self: RedisStore, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return Path(config.password_file).read_text().strip() or None
-        except OSError as exc:
-            raise StoreUnavailable(f"ingress.responses_store.redis.password_file cannot be read: {exc}") from None
-    return (os.environ.get(config.password_env) or None) if config.password_env is not None else None
+            return await method(self, *args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise store_down(exc) from exc
+
+    return call
 
 
 class RedisStore:
     """Stored responses and event logs in Redis (the module's docstring)."""
 
-    def __init__(self, client: aioredis.Redis, ttl_s: float, max_per_key: int, where: str = "in Redis") -> None:
+    def __init__(
+        self, client: aioredis.Redis, ttl_s: float, max_per_key: int, where: str = "in Redis", max_wait_s: float = 1.0
+    ) -> None:
         # (redis-py types its commands for its sync and async clients at once: Any here)
         self.redis: Any = client
         self.ttl_ms = int(ttl_s * 1000)
         self.max_per_key = max_per_key
         self.where = where
+        self.max_wait_s = max_wait_s  # a read's longest block: below the client's read timeout
+        self._append, self._update, self._delete = (client.register_script(s) for s in (APPEND, UPDATE, DELETE))
+        self._tails: OrderedDict[str, deque[tuple[int, str]]] = OrderedDict()
 
+    @store_call
     async def save(
         self, response_id: str, owner: str, response: dict[str, Any], input_items: list[Any], background: bool
     ) -> None:
@@ -107,13 +140,13 @@ class RedisStore:
             for old_id, _ in oldest:
                 await self.delete(old_id.decode())
 
-    async def update(self, response_id: str, response: dict[str, Any]) -> None:
+    @store_call
+    async def update(self, response_id: str, response: dict[str, Any]) -> bool:
         key = PREFIX + response_id
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, "response", json.dumps(response)).pexpire(key, self.ttl_ms)
-            pipe.pexpire(key + ":events", self.ttl_ms)
-            await pipe.execute()
+        args: list[str | int] = [json.dumps(response), str(response.get("status")), self.ttl_ms]
+        return bool(await self._update(keys=[key, key + ":events"], args=args))
 
+    @store_call
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
         found = await self.redis.hmget(PREFIX + response_id, ["response", "owner", "background"])
         response, stored_owner, background = found
@@ -121,37 +154,60 @@ class RedisStore:
             return None
         return StoredResponse(json.loads(response), owner, bool(background))
 
+    @store_call
     async def input_items(self, response_id: str) -> list[Any]:
         found = await self.redis.hget(PREFIX + response_id, "input")
         return json.loads(found) if found is not None else []
 
+    @store_call
     async def exists(self, response_id: str) -> bool:
         return bool(await self.redis.exists(PREFIX + response_id))
 
+    @store_call
     async def delete(self, response_id: str) -> None:
         key = PREFIX + response_id
-        await self.redis.delete(key, key + ":events", key + ":lease")
+        self._tails.pop(response_id, None)
+        await self._delete(keys=[key, key + ":events", key + ":lease"], args=[PREFIX, response_id])
 
+    @store_call
     async def append(self, response_id: str, sequence_number: int, event: str) -> bool:
-        log = f"{PREFIX}{response_id}:events"
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xadd(log, {"e": event}, id=f"0-{sequence_number + 1}").pexpire(log, self.ttl_ms)
-                await pipe.execute()
-        except ResponseError as exc:  # the number was taken (Redis: "equal or smaller than the target")
-            if "equal or smaller" in str(exc):
-                return False
-            raise
+        done = await self._append_one(response_id, sequence_number, event)
+        if done[0] == 2:  # the log lost its last events (a failover): this writer writes them again
+            done = await self._heal(response_id, done[1], sequence_number, event)
+        if done[0] != 1 or is_terminal(event):
+            self._tails.pop(response_id, None)
+            return done[0] == 1
+        tail = self._tails.setdefault(response_id, deque(maxlen=TAIL_EVENTS))
+        tail.append((sequence_number, event))
+        self._tails.move_to_end(response_id)
+        while len(self._tails) > TAILS:
+            self._tails.popitem(last=False)
         return True
 
+    async def _heal(self, response_id: str, logged: int, sequence_number: int, event: str) -> list[int]:
+        """Append the events after ``logged`` up to ``event`` from this writer's tail (refused: not all there)."""
+        tail = dict(self._tails.get(response_id, ()))
+        for number in range(logged + 1, sequence_number):
+            if number not in tail or (await self._append_one(response_id, number, tail[number]))[0] != 1:
+                return [0]
+        return await self._append_one(response_id, sequence_number, event)
+
+    async def _append_one(self, response_id: str, sequence_number: int, event: str) -> list[int]:
+        key = PREFIX + response_id
+        found = await self._append(keys=[key, key + ":events"], args=[sequence_number, event, self.ttl_ms])
+        return [int(value) for value in found]
+
+    @store_call
     async def read(self, response_id: str, after: int, wait_s: float) -> list[tuple[int, str]]:
         log = f"{PREFIX}{response_id}:events"
-        found = await self.redis.xread({log: f"0-{after + 1}"}, block=max(1, int(wait_s * 1000)))
+        block = max(1, int(min(wait_s, self.max_wait_s) * 1000))
+        found = await self.redis.xread({log: f"0-{after + 1}"}, block=block)
         if not found:
             return []
         ((_, entries),) = found
         return [(int(entry_id.split(b"-")[1]) - 1, fields[b"e"].decode()) for entry_id, fields in entries]
 
+    @store_call
     async def renew_lease(self, response_ids: list[str], lease_s: float) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
             for response_id in response_ids:
@@ -160,19 +216,24 @@ class RedisStore:
                 pipe.pexpire(key, self.ttl_ms).pexpire(key + ":events", self.ttl_ms)  # kept while generated
             await pipe.execute()
 
+    @store_call
     async def leased(self, response_id: str) -> bool:
         return bool(await self.redis.exists(f"{PREFIX}{response_id}:lease"))
 
+    @store_call
     async def request_cancel(self, response_id: str) -> None:
         await self.redis.publish(CANCEL_CHANNEL, response_id)
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(CANCEL_CHANNEL)
         try:
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
+            await pubsub.subscribe(CANCEL_CHANNEL)
+            while True:  # (not listen(): it would read past the read timeout on a quiet channel)
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=LISTEN_WAIT_S)
+                if message is not None and message.get("type") == "message":
                     yield message["data"].decode()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise store_down(exc) from exc
         finally:
             await pubsub.aclose()
 

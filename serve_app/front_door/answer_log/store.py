@@ -6,6 +6,12 @@ final), the API key that made it, and the input items its answer followed (for a
 appended under its ``sequence_number`` (a number is taken once: a second append of it fails),
 read from any number after, and a lease its producing replica renews while it generates.
 
+A response's status only moves forward: ``queued``, ``in_progress``, then one final status that
+never changes again (an update that would go back, or replace a final status, is refused). A
+log's appends are conditional: on the answer still being stored, and on its number being the
+next (a number is taken once: a second append of another event under it is refused; the same
+event appended again, as a retried call does, is not a second event).
+
 Runs in each model replica.
 """
 
@@ -16,11 +22,33 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from serve_app.errors import APIError
+
 # A log's last event: the answer's end (whatever it was) or an error event; "grpc.final" is a kept
 # gRPC answer's final response (serve_app.front_door.grpc_api.stored_answers).
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error", "grpc.final")
 FINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+STATUS_ORDER = {"queued": 0, "in_progress": 1} | dict.fromkeys(FINAL_STATUSES, 2)  # how far an answer got
 NO_OWNER = ""  # the owner of every response where no API keys are configured
+
+
+class StoreDown(APIError):
+    """The store did not answer (its calls retried); 503 to a request that needed it."""
+
+
+def store_down(reason: object) -> StoreDown:
+    return StoreDown(
+        503,
+        f"the response store does not answer ({reason}); retry shortly",
+        code="store_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
+def moves_forward(current: str | None, new: str | None) -> bool:
+    """Whether a response whose status is ``current`` may take ``new`` (never back, never from a final one)."""
+    now, then = STATUS_ORDER.get(str(current), 0), STATUS_ORDER.get(str(new), 0)
+    return now < 2 and then >= now
 
 
 @dataclass(frozen=True)
@@ -59,8 +87,9 @@ class ResponseStore(Protocol):
         """Keep a new response (the owner's oldest removed past the owner's bound)."""
         ...
 
-    async def update(self, response_id: str, response: dict[str, Any]) -> None:
-        """Replace a kept response's object (its status moved on)."""
+    async def update(self, response_id: str, response: dict[str, Any]) -> bool:
+        """Replace a kept response's object, its status moved on (False, nothing changed: it is not
+        kept, or its status is final or further on than the new one's)."""
         ...
 
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
@@ -76,7 +105,8 @@ class ResponseStore(Protocol):
     async def delete(self, response_id: str) -> None: ...
 
     async def append(self, response_id: str, sequence_number: int, event: str) -> bool:
-        """Add an event to the response's log under ``sequence_number``; False if that number is taken."""
+        """Add an event to the response's log under ``sequence_number``; False if that number is
+        another event's or the response is no longer kept."""
         ...
 
     async def read(self, response_id: str, after: int, wait_s: float) -> list[tuple[int, str]]:

@@ -31,13 +31,21 @@ from typing import Any
 from serve_app.errors import APIError
 from serve_app.front_door.admission.deadlines import Deadline, TimeLimits
 from serve_app.front_door.answer_log.follow import CANCELLED, REPLICA_STOPPED, Failure, finish
-from serve_app.front_door.answer_log.store import ResponseStore, event_response, event_type, is_terminal, split_events
+from serve_app.front_door.answer_log.store import (
+    ResponseStore,
+    StoreDown,
+    event_response,
+    event_type,
+    is_terminal,
+    split_events,
+)
 from serve_app.front_door.core.generation import Generation
 from serve_app.front_door.core.permit import Permit
 
 logger = logging.getLogger("ray.serve")
 
 LISTEN_RETRY_S = 1.0  # after the cancel listener lost its store
+RENEW_RETRY_S = 0.5  # after a renewal the store did not take (within follow.LAPSE_GRACE_S, twice)
 WAIT_RETRY_S = 1.0  # a waiting answer asks again this often (a place freed on another replica tells nobody here)
 
 PermitSource = Callable[[str | None, int], Awaitable[Permit]]  # a key's places now, or the 429 of the one not free
@@ -179,10 +187,13 @@ class BackgroundAnswers:
 
     async def _renew(self) -> None:
         while True:
+            period = self.lease_s / 3  # the renewal period, a third of the lease
             if self._tasks:
-                with contextlib.suppress(Exception):  # a store that does not answer: the leases lapse
+                try:
                     await self.store.renew_lease(list(self._tasks), self.lease_s)
-            await asyncio.sleep(self.lease_s / 3)  # the renewal period, a third of the lease
+                except Exception:  # a store that does not answer: renewed again soon, as it comes back
+                    period = min(period, RENEW_RETRY_S)
+            await asyncio.sleep(period)
 
     async def _listen(self) -> None:
         while True:
@@ -233,7 +244,9 @@ async def produce_response(
 
     The answer has one writer: once its log refuses an event (a reader ended it, its lease having
     lapsed; or it was deleted or expired), the producer stops at once, aborting its engine request,
-    and writes nothing more, so an answer never has two ends."""
+    and writes nothing more, so an answer never has two ends. ``store`` waits out an outage
+    (:mod:`serve_app.front_door.answer_log.patient`); one longer stops the answer too, unended
+    (its lease lapses, and its first reader after the store is back ends it)."""
     response_id = str(response["id"])
     written = 0
     final: dict[str, Any] | None = None
@@ -268,6 +281,9 @@ async def produce_response(
     except LogRefused:
         logger.info("background response %s stopped: its log was ended or removed by another", response_id)
         return  # (after the generation's aclose below)
+    except StoreDown as down:
+        logger.warning("background response %s stopped: %s", response_id, down.message)
+        return
     except asyncio.CancelledError:
         failure = CANCELLED
     except APIError as error:
@@ -275,5 +291,9 @@ async def produce_response(
     finally:
         if generation is not None:
             await generation.aclose()
-    await finish(store, response, written, final, failure, error_logged)
+    try:
+        await finish(store, response, written, final, failure, error_logged)
+    except StoreDown as down:
+        logger.warning("background response %s could not be ended: %s", response_id, down.message)
+        return
     logger.info("background response %s ended %s", response_id, (final or {}).get("status") or failure)

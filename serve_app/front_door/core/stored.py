@@ -24,9 +24,11 @@ from serve_app.front_door.core.background import BackgroundAnswers
 
 @dataclass
 class StoredResponses:
-    """A replica's response store and the background answers it generates."""
+    """A replica's response store (``patient``: as running answers and their followers call it,
+    waiting out an outage) and the background answers it generates."""
 
     store: ResponseStore
+    patient: ResponseStore
     background: BackgroundAnswers
     lease_s: float
 
@@ -34,17 +36,22 @@ class StoredResponses:
     def from_config(cls, config: ResponsesStoreConfig) -> StoredResponses:
         """The store the config names, its address read from this replica's environment."""
         store: ResponseStore
+        patient: ResponseStore
         if config.redis is None:
-            store = MemoryStore(config.ttl_s, config.max_per_key)
+            store = patient = MemoryStore(config.ttl_s, config.max_per_key)  # (never down)
         else:
-            from serve_app.front_door.answer_log.redis_store import RedisStore, connect
+            from serve_app.front_door.answer_log.patient import PatientStore
+            from serve_app.front_door.answer_log.redis_client import connect
+            from serve_app.front_door.answer_log.redis_store import RedisStore
 
             where = "in Redis, through its Sentinels" if config.redis.sentinel_master else "in Redis"
-            store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where)
+            max_wait_s = config.redis.timeout_s / 2  # (a read's block, well within the read timeout)
+            store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where, max_wait_s)
+            patient = PatientStore(store, config.redis.ride_through_s)
         background = BackgroundAnswers(
             store, config.max_background_per_replica, config.lease_s, config.max_waiting_per_key
         )
-        return cls(store, background, config.lease_s)
+        return cls(store, patient, background, config.lease_s)
 
     def expand(self, owner: str) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
         """Admission's ``expand`` for a request of ``owner``: its previous response's conversation first."""

@@ -148,7 +148,7 @@ class GenerationService:
             found = await end_if_orphaned(stored.store, found)
             wait_s = stored.lease_s / 2
             answer = found.response
-            async for response in stored_answers.follow_answer(stored.store, answer, request.after_index, wait_s):
+            async for response in stored_answers.follow_answer(stored.patient, answer, request.after_index, wait_s):
                 yield response
         finally:
             self.core.open_calls.give_back(key_id)

@@ -31,7 +31,7 @@ from google.protobuf.message import Message
 
 from serve_app.errors import APIError
 from serve_app.front_door.answer_log.follow import CANCELLED, finish, follow
-from serve_app.front_door.answer_log.store import ResponseStore, event_type
+from serve_app.front_door.answer_log.store import ResponseStore, StoreDown, event_type
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import SHAPES, ResponseWriter, error_of_event, wrap
 
@@ -93,13 +93,16 @@ async def produce(store: ResponseStore, answer: dict[str, Any], responses: Async
                 status = "failed" if response.HasField("error") else "completed"
     except asyncio.CancelledError:
         failure = CANCELLED
-    except Exception as exc:  # the store failed under it: readers learn it from the lease
+    except Exception as exc:  # the store failed under it (past its outage's wait): readers learn it from the lease
         logger.exception("kept answer %s could not be logged", answer["id"], exc_info=exc)
         return
     finally:
         await responses.aclose()
     ended = answer | {"status": status} if status is not None else None
-    await finish(store, answer, written, ended, failure)
+    try:
+        await finish(store, answer, written, ended, failure)
+    except StoreDown as down:
+        logger.warning("kept answer %s could not be ended: %s", answer["id"], down.message)
 
 
 async def follow_answer(

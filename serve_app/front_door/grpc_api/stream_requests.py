@@ -142,7 +142,7 @@ class StreamRequests:
             return
         self.stored[stream_id] = answer["id"]
         try:
-            async for response in stored_answers.follow_answer(stored.store, answer, -1, stored.lease_s / 2):
+            async for response in stored_answers.follow_answer(stored.patient, answer, -1, stored.lease_s / 2):
                 yield response
         finally:
             self.stored.pop(stream_id, None)
@@ -154,7 +154,7 @@ class StreamRequests:
         record ended with it."""
         service, core = self.service, self.service.core
         assert core.stored is not None
-        store = core.stored.store
+        store = core.stored.patient
         method, status = service.endpoints[kind].method, CallStatus({})
         requested_s = requested_timeout(self.metadata)
 

@@ -6,7 +6,8 @@
 
 - ``store: false``: answered and forgotten, as chat is;
 - stored (OpenAI's default): answered as it comes, and its final object kept with the input
-  items it followed, once the answer ends (a client that leaves first leaves nothing stored);
+  items it followed, once the answer ends (a client that leaves first leaves nothing stored; a
+  store down then costs the keeping, logged, not the answer);
 - ``background: true``: kept at once as ``queued`` and generated detached, holding the request's
   places for its whole life, or, past its key's cap, once it has waited for its key's place
   (:mod:`serve_app.front_door.core.background`); the answer is that object, or with
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -42,6 +44,7 @@ from serve_app.front_door.answer_log.follow import CANCELLED, end_if_orphaned, f
 from serve_app.front_door.answer_log.history import request_input_items
 from serve_app.front_door.answer_log.store import (
     NO_OWNER,
+    StoreDown,
     StoredResponse,
     event_response,
     is_terminal,
@@ -54,6 +57,8 @@ from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.telemetry.record import RequestRecord
 from serve_app.protocol import streamed
+
+logger = logging.getLogger("ray.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -90,7 +95,12 @@ async def create(
         return await create_background(core, stored, permit, admitted, owner)
 
     async def save(response: dict[str, Any]) -> None:  # (the input's items are made once the answer ended)
-        await stored.store.save(admitted.payload.request_id, owner, response, input_items(admitted), background=False)
+        try:
+            await stored.store.save(
+                admitted.payload.request_id, owner, response, input_items(admitted), background=False
+            )
+        except StoreDown as down:  # the answer is the client's whole; only its keeping failed
+            logger.warning("response %s answered and not stored: %s", admitted.payload.request_id, down.message)
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
     first = await generation.start()
@@ -119,7 +129,7 @@ async def create_background(
         return core.generate(held, background, "responses", deadline, record, responses_event)
 
     async def produce(get_permit: Any) -> None:
-        await produce_response(stored.store, response, get_permit, generation_for, core.settings.time_limits)
+        await produce_response(stored.patient, response, get_permit, generation_for, core.settings.time_limits)
 
     follows = bool(payload.stream)
     if follows:
@@ -135,7 +145,7 @@ async def create_background(
         raise
     if not follows:
         return JSONResponse(response)
-    return FollowedStream(follow(stored.store, response, -1, stored.lease_s / 2), core.open_calls, permit.key_id)
+    return FollowedStream(follow(stored.patient, response, -1, stored.lease_s / 2), core.open_calls, permit.key_id)
 
 
 class FollowedStream(StreamingResponse):
@@ -216,7 +226,7 @@ async def retrieve(request: Request) -> Response:
     core: FrontDoor = request.app.state.core
     key_id = getattr(request.state, "api_key_id", None)
     core.open_calls.take(key_id)  # (a follower holds an open call's place, given back as it ends)
-    return FollowedStream(follow(stored.store, found.response, after, stored.lease_s / 2), core.open_calls, key_id)
+    return FollowedStream(follow(stored.patient, found.response, after, stored.lease_s / 2), core.open_calls, key_id)
 
 
 async def cancel(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""The production overlay's Redis set (k8s/overlays/production/redis.yaml), run on this machine.
+"""The production overlay's Redis sets, run on this machine: the GCS's (k8s/overlays/production/redis.yaml)
+or the Responses API store's (responses-store.yaml), which its scripts run with an environment of its own.
 
 Each of its pods is a Redis and a Sentinel started by the scripts its ConfigMap ships, with the
 environment its StatefulSet gives them; here every pod is two processes on 127.0.0.1, told
@@ -18,12 +19,15 @@ from pathlib import Path
 from tests.e2e.harness.ray_cluster import free_port
 from tests.repo.k8s_manifests import documents
 
+GCS_SET, RESPONSES_SET = "glm4-serve-redis", "glm4-serve-responses-store"
+AS_SHIPPED = ("MASTER_NAME", "MAXMEMORY")  # the environment values that hold here as they are
 
-def shipped_set() -> tuple[dict[str, str], dict[str, str], int]:
+
+def shipped_set(name: str) -> tuple[dict[str, str], dict[str, str], int]:
     """The ConfigMap's scripts, the Redis container's plain environment values, and the set's size."""
     docs = documents("production")
-    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "glm4-serve-redis"]
-    (stateful_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "glm4-serve-redis"]
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == GCS_SET]
+    (stateful_set,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == name]
     (redis,) = [c for c in stateful_set["spec"]["template"]["spec"]["containers"] if c["name"] == "redis"]
     env = {e["name"]: e["value"] for e in redis["env"] if "value" in e}
     return config_map["data"], env, stateful_set["spec"]["replicas"]
@@ -44,11 +48,12 @@ class RedisSet:
     """The set's pods, started and stopped as Kubernetes would: by their scripts, with a password file."""
 
     root: Path
+    name: str = GCS_SET
     password: str = "not-the-production-secret"
     pods: list[RedisPod] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.scripts, self.shipped_env, replicas = shipped_set()
+        self.scripts, self.shipped_env, replicas = shipped_set(self.name)
         (self.root / "scripts").mkdir(parents=True)
         for name, text in self.scripts.items():
             (self.root / "scripts" / name).write_text(text)
@@ -72,8 +77,7 @@ class RedisSet:
         for sub in ("data", "tmp"):
             (pod_dir / sub).mkdir(parents=True, exist_ok=True)
         seed = self.pods[0]
-        here = {
-            "MASTER_NAME": self.monitored,  # as shipped
+        here = {name: self.shipped_env[name] for name in AS_SHIPPED if name in self.shipped_env} | {
             "REDIS_HOST": "127.0.0.1",
             "REDIS_PORT": str(pod.redis_port),
             "SENTINEL_PORT": str(pod.sentinel_port),
@@ -126,6 +130,23 @@ class RedisSet:
         """The primary's port as ``pod``'s Sentinel names it."""
         answer = self.ask(pod.sentinel_port, "SENTINEL", "get-master-addr-by-name", self.monitored)
         return int(answer[1]) if len(answer) == 2 and answer[1].isdigit() else None
+
+    def start_all(self) -> None:
+        for pod in self.pods:
+            self.start(pod, "redis")
+            self.start(pod, "sentinel")
+
+    def set_up(self) -> bool:
+        """Every Sentinel watches pod 0's Redis as the primary, its replicas and the other Sentinels."""
+        first, *others = self.pods
+        expected = f"address=127.0.0.1:{first.redis_port},slaves={len(others)},sentinels={len(self.pods)}"
+        watching = [self.ask(pod.sentinel_port, "INFO", "sentinel") for pod in self.pods]
+        return all(any(expected in line for line in lines) for lines in watching)
+
+    def promoted(self, lost: RedisPod) -> int | None:
+        """The port of the primary the other pods' Sentinels name in place of ``lost``'s, once they do."""
+        named = {self.primary_named_by(pod) for pod in self.pods if pod is not lost}
+        return next((port for port in named if port not in (None, lost.redis_port)), None)
 
     def role(self, pod: RedisPod) -> dict[str, str]:
         """``INFO replication`` of ``pod``'s Redis."""

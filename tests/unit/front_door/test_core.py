@@ -95,7 +95,7 @@ def core_with(
     limiter = LedgerHandle(RateLedger(None, None, max_concurrent))
     limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=max_concurrent)
     store = MemoryStore(60, 100)
-    stored = StoredResponses(store, BackgroundAnswers(store, background_limit, 60.0, max_waiting), 60.0)
+    stored = StoredResponses(store, store, BackgroundAnswers(store, background_limit, 60.0, max_waiting), 60.0)
     rules = BodyRules(settings, ModelCatalog({MODEL: ModelEntry(MODEL, model, 1024)}), limits)
     core = FrontDoor(rules, APIKeys("test keys", lambda: KEYS), GenerationSlots(limit, MODEL), stored=stored)
     return core, model, limiter

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
@@ -18,52 +16,12 @@ from serve_app.front_door.admission.deadlines import TimeLimits
 from serve_app.front_door.answer_log.follow import CANCELLED, QUIET_S, REPLICA_LOST, end_if_orphaned, finish, follow
 from serve_app.front_door.answer_log.history import output_as_input, with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
-from serve_app.front_door.answer_log.redis_store import RedisStore, StoreUnavailable, connect
+from serve_app.front_door.answer_log.redis_client import StoreUnavailable, connect
 from serve_app.front_door.answer_log.store import ResponseStore, event_type, split_events
 from serve_app.front_door.core.background import BackgroundAnswers, produce_response
 from serve_app.front_door.core.permit import Permit
+from tests.unit.front_door.stores import OTHER, OWNER, ScriptedGeneration, event, response, unique
 from tests.waiting import wait_until
-from tools.local_redis import LocalRedis
-
-OWNER, OTHER = "key-a", "key-b"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory) -> Iterator[LocalRedis]:
-    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def make_store(request, redis_server) -> AsyncIterator:
-    """Builds a store of the parameter's kind with the given expiry and bound per owner."""
-    made: list[ResponseStore] = []
-
-    def make(ttl_s: float = 60.0, max_per_key: int = 100) -> ResponseStore:
-        if request.param == "memory":
-            store: ResponseStore = MemoryStore(ttl_s, max_per_key)
-        else:
-            client = aioredis.Redis(port=redis_server.port, password=redis_server.password)
-            store = RedisStore(client, ttl_s, max_per_key)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        await store.close()
-
-
-def response(response_id: str, status: str = "queued") -> dict:
-    return {"id": response_id, "object": "response", "status": status, "output": []}
-
-
-def event(kind: str, number: int) -> str:
-    return f'event: {kind}\ndata: {{"type":"{kind}","sequence_number":{number}}}\n\n'
-
-
-def unique(name: str) -> str:
-    return f"resp_{name}_{id(object())}"
 
 
 async def test_a_response_is_its_owners_alone(make_store):
@@ -223,29 +181,6 @@ async def test_a_follower_of_an_answer_deleted_while_it_runs_ends_gone_after_one
     after_delete = store.calls[before_delete:]
     assert [name for name, _ in after_delete] == ["read", "exists"], after_delete[:5]
     assert after_delete[0][1][2] == QUIET_S == 1.0  # the read's wait
-
-
-class ScriptedGeneration:
-    """A Generation's surface (``start``, ``chunks``, ``error``, ``aclose``) over a script of events,
-    ``before`` awaited ahead of each: the producer's logic around a real store."""
-
-    def __init__(self, events: list[str], before: Callable[[int], Awaitable[None]]) -> None:
-        self.events, self.before = events, before
-        self.error = None
-        self.yielded = 0
-        self.closed = False
-
-    async def start(self) -> str:
-        return "began"
-
-    async def chunks(self) -> AsyncIterator[str]:
-        for number, text in enumerate(self.events):
-            await self.before(number)
-            self.yielded += 1
-            yield text
-
-    async def aclose(self) -> None:
-        self.closed = True
 
 
 async def test_a_producer_whose_answer_a_reader_ended_stops_and_writes_nothing_more(make_store):
