@@ -2,9 +2,9 @@
 
 Debian's ``redis-server`` (``make servers`` installs it), on 127.0.0.1 with a password of its
 own (auth on every port, as in production), no persistence, bounded memory as production's
-store is (evicting the responses closest to expiry). :meth:`LocalRedis.env` is what a serve
-config's ``ingress.responses_store.redis`` reads (deploy/config.sim.yaml). The end-to-end suite
-starts one for its applications (tests/e2e/conftest.py); ``make serve`` one for a config that
+store is (``noeviction``: Redis drops nothing; the app bounds what it keeps). :meth:`LocalRedis.env`
+is what a serve config's ``ingress.responses_store.redis`` reads (deploy/config.sim.yaml). The
+end-to-end suite starts one for its applications (tests/e2e/conftest.py); ``make serve`` one for a config that
 names Redis, unless the environment already names one::
 
     python -m tools.local_redis start deploy/config.sim.yaml .venv/responses-redis  # prints the env
@@ -62,7 +62,7 @@ class LocalRedis:
         conf.touch(mode=0o600)
         conf.write_text(
             f'port {self.port}\nbind 127.0.0.1\ndir {self.root}\nsave ""\nappendonly no\n'
-            f"requirepass {self.password}\nmaxmemory {MAXMEMORY}\nmaxmemory-policy volatile-ttl\n"
+            f"requirepass {self.password}\nmaxmemory {MAXMEMORY}\nmaxmemory-policy noeviction\n"
             + (
                 f"daemonize yes\npidfile {self.root / 'redis.pid'}\nlogfile {self.root / 'redis.log'}\n"
                 if self.daemon

@@ -83,7 +83,15 @@ class ResponsesStoreConfig(StrictModel):
         default=1000,
         ge=1,
         description="Most stored responses one API key (or, without keys, all clients together) keeps; "
-        "a new one past it removes the key's oldest.",
+        "a new one past it removes the key's oldest (never one being generated).",
+    )
+    max_bytes_per_key: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="Most bytes one API key's stored responses take (their objects and input items as JSON, "
+        "their answers' events), counted at each write: past it the key's own oldest go (never one being "
+        "generated, never another key's); a response past it on its own is refused, 413 response_too_large. "
+        "docs/operations.md sizes Redis's memory from it.",
     )
     max_background_per_replica: int = Field(
         default=64,

@@ -11,13 +11,14 @@ Runs in each model replica.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.front_door.answer_log.store import StoredResponse, moves_forward
+from serve_app.front_door.answer_log.store import StoredResponse, moves_forward, too_large
 
 
 @dataclass
@@ -27,6 +28,7 @@ class _Stored:
     input_items: list[Any]
     background: bool
     expires_at: float
+    size: int  # bytes: the object and input items as JSON, and the events
     events: list[str] = field(default_factory=list)
     grew: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) at each new event
 
@@ -36,11 +38,13 @@ class MemoryStore:
 
     where = "in this replica's memory (one model replica; lost when it restarts)"
 
-    def __init__(self, ttl_s: float, max_per_key: int) -> None:
+    def __init__(self, ttl_s: float, max_per_key: int, max_bytes_per_key: int = 64 << 20) -> None:
         self.ttl_s = ttl_s
         self.max_per_key = max_per_key
+        self.max_bytes_per_key = max_bytes_per_key
         self._stored: OrderedDict[str, _Stored] = OrderedDict()  # oldest change first
-        self._owned: dict[str, OrderedDict[str, None]] = {}
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # each owner's responses, oldest first
+        self._bytes: Counter[str] = Counter()  # each owner's responses' bytes
         self._cancels: asyncio.Queue[str] = asyncio.Queue()
         self._leases: dict[str, float] = {}  # response id -> until when its producer holds it
 
@@ -64,24 +68,40 @@ class MemoryStore:
         stored = self._stored.pop(response_id, None)
         if stored is not None:
             self._owned.get(stored.owner, OrderedDict()).pop(response_id, None)
+            self._bytes[stored.owner] -= stored.size
             stored.grew.set()  # a reader waiting on it reads (nothing) and finds it gone
+
+    def _grow(self, response_id: str, stored: _Stored, by: int) -> None:
+        """Count ``by`` more bytes of the owner's, then shed its oldest past its bounds (not this one)."""
+        stored.size += by
+        self._bytes[stored.owner] += by
+        owned = self._owned.setdefault(stored.owner, OrderedDict())
+        for old_id in list(owned):
+            if len(owned) <= self.max_per_key and self._bytes[stored.owner] <= self.max_bytes_per_key:
+                return
+            if old_id != response_id and not self._leased(old_id):
+                self._remove(old_id)
 
     async def save(
         self, response_id: str, owner: str, response: dict[str, Any], input_items: list[Any], background: bool
     ) -> None:
         self._expire()
-        self._stored[response_id] = _Stored(owner, response, input_items, background, time.monotonic() + self.ttl_s)
-        owned = self._owned.setdefault(owner, OrderedDict())
-        owned[response_id] = None
-        while len(owned) > self.max_per_key:
-            self._remove(next(iter(owned)))
+        size = len(json.dumps(response)) + len(json.dumps(input_items))
+        if size > self.max_bytes_per_key:
+            raise too_large(size, self.max_bytes_per_key)
+        stored = _Stored(owner, response, input_items, background, time.monotonic() + self.ttl_s, 0)
+        self._stored[response_id] = stored
+        self._owned.setdefault(owner, OrderedDict())[response_id] = None
+        self._grow(response_id, stored, size)
 
     async def update(self, response_id: str, response: dict[str, Any]) -> bool:
         stored = self._get(response_id)
         if stored is None or not moves_forward(stored.response.get("status"), response.get("status")):
             return False
+        before = len(json.dumps(stored.response))
         stored.response = response
         self._touch(response_id, stored)
+        self._grow(response_id, stored, len(json.dumps(response)) - before)
         return True
 
     async def load(self, response_id: str, owner: str) -> StoredResponse | None:
@@ -108,6 +128,7 @@ class MemoryStore:
             return stored.events[sequence_number] == event
         stored.events.append(event)
         self._touch(response_id, stored)
+        self._grow(response_id, stored, len(event.encode()))
         stored.grew.set()
         stored.grew = asyncio.Event()
         return True
@@ -132,6 +153,9 @@ class MemoryStore:
                 self._touch(response_id, stored)
 
     async def leased(self, response_id: str) -> bool:
+        return self._leased(response_id)
+
+    def _leased(self, response_id: str) -> bool:
         return self._leases.get(response_id, 0.0) > time.monotonic()
 
     async def request_cancel(self, response_id: str) -> None:

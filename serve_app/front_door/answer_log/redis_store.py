@@ -9,7 +9,9 @@ Keys, all under ``responses:`` and all expiring ``ttl_s`` after their last chang
   not above the last) and ``XREAD`` from ``0-<n + 1>`` is "after event ``n``", waiting for the
   tail (``BLOCK``);
 - ``responses:<id>:lease``: set for ``lease_s`` by the producing replica, renewed while it lives;
-- ``responses:owner:<owner>``: the owner's responses by creation time, for the count bound.
+- ``responses:owner:<owner>``: the owner's responses by creation time, for its count bound;
+- ``responses:owner:<owner>:bytes``: each of the owner's responses' bytes and their total, for its
+  byte bound (:mod:`.redis_scripts`: past either bound the owner's own oldest go).
 
 An append and a status update are Lua scripts, each one step for Redis: an append is refused
 when the answer is gone or its number is another event's (the same event again, a retried call's,
@@ -35,56 +37,16 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serve_app.front_door.answer_log.store import StoredResponse, is_terminal, store_down
+from serve_app.front_door.answer_log.redis_scripts import APPEND, DELETE, PREFIX, SAVE, UPDATE
+from serve_app.front_door.answer_log.store import StoredResponse, is_terminal, store_down, store_full, too_large
 
-PREFIX = "responses:"
 CANCEL_CHANNEL = PREFIX + "cancel"
 TAIL_EVENTS = 256  # the last events of each log this replica writes, kept to write again after a failover
 TAILS = 256  # logs whose tails are kept (the most recently written)
 LISTEN_WAIT_S = 1.0  # the cancel listener's longest wait for a message, its connection checked meanwhile
-
-# KEYS: the response, its log. ARGV: the sequence number, the event, the expiry (ms). {1}: appended
-# (or this same event was, by a retried call); {0}: refused; {2, n}: the log ends at n, before the
-# number's predecessor (writes lost in a failover).
-APPEND = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
-local n = tonumber(ARGV[1])
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local at = -1
-if #last > 0 then at = tonumber(string.match(last[1][1], '%-(%d+)$')) - 1 end
-if at >= n then
-  local same = redis.call('XRANGE', KEYS[2], '0-' .. (n + 1), '0-' .. (n + 1))
-  if #same > 0 and same[1][2][2] == ARGV[2] then return {1} end
-  return {0}
-end
-if at < n - 1 then return {2, at} end
-redis.call('XADD', KEYS[2], '0-' .. (n + 1), 'e', ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return {1}
-"""
-
-# KEYS: the response, its log. ARGV: the new object, its status, the expiry (ms). 1: updated.
-UPDATE = """
-local stored = redis.call('HGET', KEYS[1], 'response')
-if not stored then return 0 end
-local order = {queued = 0, in_progress = 1, completed = 2, incomplete = 2, failed = 2, cancelled = 2}
-local now = order[cjson.decode(stored).status] or 0
-local new = order[ARGV[2]] or 0
-if now == 2 or new < now then return 0 end
-redis.call('HSET', KEYS[1], 'response', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-
-# KEYS: the response, its log, its lease. ARGV: the prefix. Its owner's index forgets it too.
-DELETE = """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner then redis.call('ZREM', ARGV[1] .. 'owner:' .. owner, ARGV[2]) end
-return redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-"""
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -100,6 +62,10 @@ def store_call(method: Method[P, T]) -> Method[P, T]:
             return await method(self, *args, **kwargs)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise store_down(exc) from exc
+        except ResponseError as exc:
+            if str(exc).startswith("OOM"):  # Redis at its maxmemory (noeviction: it evicts nothing)
+                raise store_full() from exc
+            raise
 
     return call
 
@@ -108,42 +74,47 @@ class RedisStore:
     """Stored responses and event logs in Redis (the module's docstring)."""
 
     def __init__(
-        self, client: aioredis.Redis, ttl_s: float, max_per_key: int, where: str = "in Redis", max_wait_s: float = 1.0
+        self,
+        client: aioredis.Redis,
+        ttl_s: float,
+        max_per_key: int,
+        where: str = "in Redis",
+        max_wait_s: float = 1.0,
+        max_bytes_per_key: int = 64 << 20,
     ) -> None:
         # (redis-py types its commands for its sync and async clients at once: Any here)
         self.redis: Any = client
         self.ttl_ms = int(ttl_s * 1000)
         self.max_per_key = max_per_key
+        self.max_bytes_per_key = max_bytes_per_key
         self.where = where
         self.max_wait_s = max_wait_s  # a read's longest block: below the client's read timeout
-        self._append, self._update, self._delete = (client.register_script(s) for s in (APPEND, UPDATE, DELETE))
+        self._save, self._append, self._update, self._delete = (
+            client.register_script(script) for script in (SAVE, APPEND, UPDATE, DELETE)
+        )
         self._tails: OrderedDict[str, deque[tuple[int, str]]] = OrderedDict()
+
+    @property
+    def _bounds(self) -> list[int]:
+        return [self.max_per_key, self.max_bytes_per_key]
 
     @store_call
     async def save(
         self, response_id: str, owner: str, response: dict[str, Any], input_items: list[Any], background: bool
     ) -> None:
-        key, owned = PREFIX + response_id, f"{PREFIX}owner:{owner}"
-        fields = {
-            "response": json.dumps(response),
-            "owner": owner,
-            "background": "1" if background else "",
-            "input": json.dumps(input_items),
-        }
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, mapping=fields).pexpire(key, self.ttl_ms)
-            pipe.zadd(owned, {response_id: time.time()}).pexpire(owned, self.ttl_ms)
-            pipe.zcard(owned)
-            *_, count = await pipe.execute()
-        if count > self.max_per_key:  # the owner's oldest go
-            oldest = await self.redis.zpopmin(owned, count - self.max_per_key)
-            for old_id, _ in oldest:
-                await self.delete(old_id.decode())
+        fields = [json.dumps(response), "1" if background else "", json.dumps(input_items)]
+        args: list[str | float] = [response_id, owner, *fields, self.ttl_ms, time.time(), *self._bounds]
+        saved = await self._save(keys=[PREFIX + response_id], args=args)
+        if saved == 0:
+            raise too_large(len(fields[0]) + len(fields[2]), self.max_bytes_per_key)
+        if saved < 0:
+            raise store_full()
 
     @store_call
     async def update(self, response_id: str, response: dict[str, Any]) -> bool:
         key = PREFIX + response_id
-        args: list[str | int] = [json.dumps(response), str(response.get("status")), self.ttl_ms]
+        args: list[str | int] = [response_id, json.dumps(response), str(response.get("status")), self.ttl_ms]
+        args += self._bounds
         return bool(await self._update(keys=[key, key + ":events"], args=args))
 
     @store_call
@@ -165,9 +136,8 @@ class RedisStore:
 
     @store_call
     async def delete(self, response_id: str) -> None:
-        key = PREFIX + response_id
         self._tails.pop(response_id, None)
-        await self._delete(keys=[key, key + ":events", key + ":lease"], args=[PREFIX, response_id])
+        await self._delete(keys=[PREFIX + response_id], args=[response_id])
 
     @store_call
     async def append(self, response_id: str, sequence_number: int, event: str) -> bool:
@@ -194,7 +164,8 @@ class RedisStore:
 
     async def _append_one(self, response_id: str, sequence_number: int, event: str) -> list[int]:
         key = PREFIX + response_id
-        found = await self._append(keys=[key, key + ":events"], args=[sequence_number, event, self.ttl_ms])
+        args: list[str | int] = [response_id, sequence_number, event, self.ttl_ms, *self._bounds]
+        found = await self._append(keys=[key, key + ":events"], args=args)
         return [int(value) for value in found]
 
     @store_call

@@ -6,6 +6,9 @@ final), the API key that made it, and the input items its answer followed (for a
 appended under its ``sequence_number`` (a number is taken once: a second append of it fails),
 read from any number after, and a lease its producing replica renews while it generates.
 
+Each owner's responses are bounded in count and in bytes (its objects, input items and events):
+past either bound its own oldest go, never one being generated, never another owner's.
+
 A response's status only moves forward: ``queued``, ``in_progress``, then one final status that
 never changes again (an update that would go back, or replace a final status, is refused). A
 log's appends are conditional: on the answer still being stored, and on its number being the
@@ -42,6 +45,26 @@ def store_down(reason: object) -> StoreDown:
         f"the response store does not answer ({reason}); retry shortly",
         code="store_unavailable",
         headers={"Retry-After": "5"},
+    )
+
+
+def store_full() -> StoreDown:
+    """Redis is at its ``maxmemory`` (it evicts nothing: docs/operations.md sizes it from the bounds)."""
+    return StoreDown(
+        503,
+        "the response store is full; retry once its responses expire",
+        code="store_full",
+        headers={"Retry-After": "60"},
+    )
+
+
+def too_large(size: int, bound: int) -> APIError:
+    """A response that would be past its key's byte bound on its own, before it has an answer."""
+    return APIError(
+        413,
+        f"this response and its input are {size} bytes, more than the store keeps for one API key "
+        f"(ingress.responses_store.max_bytes_per_key: {bound})",
+        code="response_too_large",
     )
 
 
@@ -84,7 +107,8 @@ class ResponseStore(Protocol):
     async def save(
         self, response_id: str, owner: str, response: dict[str, Any], input_items: list[Any], background: bool
     ) -> None:
-        """Keep a new response (the owner's oldest removed past the owner's bound)."""
+        """Keep a new response, the owner's oldest removed past the owner's bounds (413
+        ``response_too_large``: it is past the byte bound on its own)."""
         ...
 
     async def update(self, response_id: str, response: dict[str, Any]) -> bool:

@@ -38,7 +38,7 @@ class StoredResponses:
         store: ResponseStore
         patient: ResponseStore
         if config.redis is None:
-            store = patient = MemoryStore(config.ttl_s, config.max_per_key)  # (never down)
+            store = patient = MemoryStore(config.ttl_s, config.max_per_key, config.max_bytes_per_key)  # (never down)
         else:
             from serve_app.front_door.answer_log.patient import PatientStore
             from serve_app.front_door.answer_log.redis_client import connect
@@ -46,7 +46,8 @@ class StoredResponses:
 
             where = "in Redis, through its Sentinels" if config.redis.sentinel_master else "in Redis"
             max_wait_s = config.redis.timeout_s / 2  # (a read's block, well within the read timeout)
-            store = RedisStore(connect(config.redis), config.ttl_s, config.max_per_key, where, max_wait_s)
+            client = connect(config.redis)
+            store = RedisStore(client, config.ttl_s, config.max_per_key, where, max_wait_s, config.max_bytes_per_key)
             patient = PatientStore(store, config.redis.ride_through_s)
         background = BackgroundAnswers(
             store, config.max_background_per_replica, config.lease_s, config.max_waiting_per_key

@@ -25,16 +25,16 @@ def redis_server(tmp_path_factory) -> Iterator[LocalRedis]:
 
 @pytest.fixture(params=["memory", "redis"])
 async def make_store(request, redis_server) -> AsyncIterator:
-    """Builds a store of the parameter's kind with the given expiry and bound per owner."""
+    """Builds a store of the parameter's kind with the given expiry and bounds per owner."""
     made: list[ResponseStore] = []
 
-    def make(ttl_s: float = 60.0, max_per_key: int = 100) -> ResponseStore:
+    def make(ttl_s: float = 60.0, max_per_key: int = 100, max_bytes_per_key: int = 1 << 20) -> ResponseStore:
         if request.param == "memory":
-            store: ResponseStore = MemoryStore(ttl_s, max_per_key)
+            store: ResponseStore = MemoryStore(ttl_s, max_per_key, max_bytes_per_key)
         else:
             shipped = options(RedisStoreConfig())  # (the replicas' timeouts, keepalive and retries)
             client = aioredis.Redis(port=redis_server.port, password=redis_server.password, **shipped)
-            store = RedisStore(client, ttl_s, max_per_key)
+            store = RedisStore(client, ttl_s, max_per_key, max_bytes_per_key=max_bytes_per_key)
         made.append(store)
         return store
 

@@ -13,12 +13,13 @@ import pytest
 from redis import asyncio as aioredis
 
 from serve_app.config import RedisStoreConfig
+from serve_app.errors import APIError
 from serve_app.front_door.answer_log.follow import REPLICA_LOST, finish
 from serve_app.front_door.answer_log.patient import PatientStore
 from serve_app.front_door.answer_log.redis_client import connect
 from serve_app.front_door.answer_log.redis_store import PREFIX, RedisStore
 from serve_app.front_door.answer_log.store import StoreDown
-from tests.unit.front_door.stores import OWNER, event, response, unique
+from tests.unit.front_door.stores import OTHER, OWNER, event, response, unique
 from tests.waiting import wait_until
 from tools.local_redis import LocalRedis
 
@@ -169,3 +170,100 @@ async def test_a_running_answers_call_ends_with_store_down_once_its_wait_is_spen
     finally:
         await store.close()
     assert time.monotonic() - began >= 0.5  # (a lower bound only: it was called again for its wait)
+
+
+BOUND = 10_000  # bytes per key in the tests below
+INPUT = [{"type": "message", "role": "user", "content": "x" * 2_900}]  # about 3,000 bytes a response
+
+
+async def still_stored(store, ids: list[str], owner: str = OWNER) -> list[str]:
+    return [rid for rid in ids if await store.load(rid, owner) is not None]
+
+
+async def test_a_key_past_its_byte_bound_loses_its_own_oldest_and_no_other_keys(make_store, redis_server):
+    """Five responses of about 3,000 bytes under a 10,000-byte bound: the key keeps its newest three,
+    and another key's response, older than all of them, stays (Redis evicted nothing: it never does)."""
+    store = make_store(max_bytes_per_key=BOUND)
+    other = unique("other-key")
+    await store.save(other, OTHER, response(other), INPUT, background=False)
+    mine = [unique(f"mine-{n}") for n in range(5)]
+    for rid in mine:
+        await store.save(rid, OWNER, response(rid), INPUT, background=False)
+    assert await still_stored(store, mine) == mine[2:]
+    assert await still_stored(store, [other], OTHER) == [other]
+    if isinstance(store, RedisStore):
+        sizes = await store.redis.hgetall(f"{PREFIX}owner:{OWNER}:bytes")
+        assert int(sizes[b"*"]) == sum(int(size) for rid, size in sizes.items() if rid != b"*") <= BOUND
+        assert (await store.redis.info("stats"))["evicted_keys"] == 0
+
+
+async def test_a_running_answers_events_count_against_its_key_and_never_shed_it(make_store):
+    """An answer being generated (leased) writes events past its key's bound: the key's finished
+    responses go, oldest first; the running answer, though older than them, stays whole."""
+    store = make_store(max_bytes_per_key=BOUND)
+    running = unique("running")
+    await store.save(running, OWNER, response(running), [], background=True)
+    await store.renew_lease([running], 60)
+    finished = [unique(f"finished-{n}") for n in range(2)]
+    for rid in finished:
+        await store.save(rid, OWNER, response(rid), INPUT, background=False)
+    delta = 'event: response.output_text.delta\ndata: {"delta": "' + "y" * 1_000 + '"}\n\n'
+    for n in range(12):  # about 12,000 bytes of events
+        assert await store.append(running, n, delta)
+    assert await still_stored(store, finished) == []
+    assert len(await store.read(running, -1, 0)) == 12
+
+
+async def test_a_response_past_its_keys_byte_bound_on_its_own_is_refused_413(make_store):
+    store = make_store(max_bytes_per_key=BOUND)
+    rid = unique("huge")
+    with pytest.raises(APIError) as refused:
+        await store.save(rid, OWNER, response(rid), INPUT * 4, background=True)
+    assert (refused.value.status, refused.value.code) == (413, "response_too_large")
+    assert "max_bytes_per_key" in refused.value.message and not await store.exists(rid)
+
+
+async def test_a_deleted_or_expired_response_gives_its_key_its_bytes_back(make_store):
+    """Room freed by a DELETE, or by expiry, is the key's again: three more responses fit after."""
+    store = make_store(ttl_s=0.5, max_bytes_per_key=BOUND)
+    first = [unique(f"first-{n}") for n in range(3)]
+    for rid in first:
+        await store.save(rid, OWNER, response(rid), INPUT, background=False)
+    await store.delete(first[0])
+    await wait_until(lambda: _gone(store, first[1:]), 10, "the other two expired")
+    later = [unique(f"later-{n}") for n in range(3)]
+    for rid in later:
+        await store.save(rid, OWNER, response(rid), INPUT, background=False)
+    assert await still_stored(store, later) == later
+
+
+async def _gone(store, ids: list[str]) -> bool:
+    return not await still_stored(store, ids)
+
+
+async def test_a_full_redis_keeps_no_new_response_and_lets_running_answers_finish(tmp_path):
+    """Redis drops nothing (``noeviction``, as shipped): filled by many keys, each within its bounds,
+    it refuses new responses (503 ``store_full``) once past 90% of its ``maxmemory``, while an
+    answer already running appends its events to its end; nothing was evicted."""
+    server = LocalRedis(tmp_path / "redis").start()
+    client = aioredis.Redis(port=server.port, password=server.password)
+    store = RedisStore(client, 60, 100, max_bytes_per_key=BOUND)
+    try:
+        assert (await client.config_get("maxmemory-policy"))["maxmemory-policy"] == "noeviction"
+        used = (await client.info("memory"))["used_memory"]
+        await client.config_set("maxmemory", used + (4 << 20))
+        running = unique("running")
+        await store.save(running, OWNER, response(running), [], background=True)
+        await store.renew_lease([running], 60)
+        with pytest.raises(StoreDown) as full:
+            for n in range(10_000):  # keys of their own, each under its bound: only the whole fills up
+                rid = unique(f"filler-{n}")
+                await store.save(rid, f"key-{n}", response(rid), INPUT, background=False)
+        assert (full.value.status, full.value.code) == (503, "store_full")
+        for n in range(50):
+            assert await store.append(running, n, event("response.output_text.delta", n))
+        assert len(await store.read(running, -1, 0)) == 50
+        assert (await client.info("stats"))["evicted_keys"] == 0
+    finally:
+        await store.close()
+        server.stop()
