@@ -157,7 +157,9 @@ async def test_a_kept_grpc_answer_resumes_through_the_other_replica(stored, ray_
     async with grpc.aio.insecure_channel(other) as grpc_channel:
         stub = pb_grpc.GenerationStub(grpc_channel)
         missing = await call_whole(stub.Resume, pb.ResumeRequest(answer_id="ans_0123", after_index=-1))
+        too_long = await call_whole(stub.Resume, pb.ResumeRequest(answer_id="ans_" + "0" * 5_000, after_index=-1))
     assert missing.code == grpc.StatusCode.NOT_FOUND and missing.responses == []
+    assert too_long.code == grpc.StatusCode.INVALID_ARGUMENT and "answer_id" in too_long.details
     async with httpx.AsyncClient(base_url=(await replica_urls(stored, ray_cluster.haproxy_stats_url))[0]) as client:
         assert (await client.get(f"/responses/{answer_id}")).status_code == 404  # (not a Responses API response)
 
@@ -206,6 +208,9 @@ async def test_another_keys_response_is_not_found(variants):
     assert continued.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         await sdk(url).responses.retrieve("resp_0123456789abcdef")
+    with pytest.raises(openai.BadRequestError) as too_long:  # (never sent to the store, nor quoted back)
+        await sdk(url).responses.retrieve("resp_" + "0" * 5_000)
+    assert too_long.value.body["param"] == "response_id" and len(too_long.value.message) < 300
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY_A}"}) as client:
         bad = await client.get(f"/responses/{mine.id}", params={"stream": "true", "starting_after": "last"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"  # (not a background response)
@@ -217,8 +222,8 @@ async def test_another_keys_response_is_not_found(variants):
 async def test_a_stored_response_expires(stored, ray_cluster):
     """``prefix`` keeps responses ``ttl_s`` (STORED) after their last change: then a GET is a 404."""
     client = sdk((await replica_urls(stored, ray_cluster.haproxy_stats_url))[0])
+    started = time.monotonic()  # (before it is stored: it cannot expire sooner than ttl_s after this)
     made = await client.responses.create(model=stored.app.model, input="Hi!", max_output_tokens=4)
-    started = time.monotonic()
 
     async def gone() -> bool:
         try:
@@ -229,6 +234,7 @@ async def test_a_stored_response_expires(stored, ray_cluster):
 
     await wait_until(gone, STORED["ttl_s"] + 60, f"{made.id} expired", every_s=0.5)
     print(f"expired {time.monotonic() - started:.1f} s after it was stored (ttl_s {STORED['ttl_s']:g})")
+    assert time.monotonic() - started >= STORED["ttl_s"]
 
 
 async def test_a_replica_killed_under_a_background_answer_gives_its_readers_the_failure_event(stored, ray_cluster):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from serve_app.errors import APIError, quoted
+from serve_app.front_door.admission.echoed import check_responses_echoed
 
 SERVED_ITEMS = ("message", "function_call", "function_call_output")
 SERVED_CONTENT = ("input_text", "output_text")
@@ -31,7 +32,9 @@ NOT_SERVED = {
 
 
 def check_served(body: dict[str, Any]) -> None:
-    """400 for the first part of a Responses API ``body`` this server does not serve."""
+    """400 for the first part of a Responses API ``body`` this server does not serve, or that would
+    echo a string past its bound (:mod:`.echoed`)."""
+    check_responses_echoed(body)
     for name, why in NOT_SERVED.items():
         if body.get(name) not in (None, False):
             raise APIError(400, why, param=name)

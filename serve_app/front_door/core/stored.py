@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from serve_app.config import ResponsesStoreConfig
+from serve_app.front_door.admission.echoed import check_responses_echoed
 from serve_app.front_door.answer_log.history import with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.store import ResponseStore
@@ -55,8 +55,14 @@ class StoredResponses:
         return cls(store, patient, background, config.lease_s)
 
     def expand(self, owner: str) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
-        """Admission's ``expand`` for a request of ``owner``: its previous response's conversation first."""
-        return partial(with_history, store=self.store, owner=owner)
+        """Admission's ``expand`` for a request of ``owner``: its previous response's conversation
+        first (its id, and what the response would echo, held to their bounds before the store is asked)."""
+
+        async def expanded(fields: dict[str, Any]) -> dict[str, Any]:
+            check_responses_echoed(fields)
+            return await with_history(fields, self.store, owner)
+
+        return expanded
 
     async def close(self) -> None:
         await self.background.close()

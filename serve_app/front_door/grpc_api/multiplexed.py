@@ -32,6 +32,7 @@ from google.protobuf.message import Message
 
 from serve_app.config import GRPCStreamConfig
 from serve_app.errors import APIError
+from serve_app.front_door.admission.echoed import MAX_ID_CHARS
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import error_message
 
@@ -125,6 +126,9 @@ class MultiplexedCall:
         which = message.WhichOneof("request")
         if not stream_id:
             await self._reject(stream_id, APIError(400, "a StreamRequest needs an id", "id"))
+        elif len(stream_id) > MAX_ID_CHARS:  # (echoed cut to the bound: it would be in every response)
+            too_long = APIError(400, f"a StreamRequest's id is at most {MAX_ID_CHARS} characters", "id")
+            await self._reject(stream_id[:MAX_ID_CHARS], too_long)
         elif which is None:
             empty = APIError(400, "a StreamRequest carries chat, completion or cancel", "request")
             await self._reject(stream_id, empty)

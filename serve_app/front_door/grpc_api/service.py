@@ -44,6 +44,7 @@ from grpc_health.v1 import health_pb2
 from serve_app.errors import APIError, grpc_status
 from serve_app.front_door.admission.auth import authenticate
 from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
+from serve_app.front_door.admission.echoed import checked_id, checked_position
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.answer_log.follow import end_if_orphaned
 from serve_app.front_door.answer_log.store import NO_OWNER
@@ -135,9 +136,8 @@ class GenerationService:
             key_id = self.key_of(metadata)
             if stored is None:
                 raise APIError(400, "this server keeps no answers", "answer_id")
-            if request.after_index < -1:
-                raise APIError(400, f"after_index must be -1 or more, not {request.after_index}", "after_index")
-            found = await stored.store.load(request.answer_id, key_id or NO_OWNER)
+            checked_position(request.after_index, "after_index")
+            found = await stored.store.load(checked_id(request.answer_id, "answer_id"), key_id or NO_OWNER)
             if found is None or found.response.get("object") != stored_answers.OBJECT:
                 raise stored_answers.not_found(request.answer_id)
             self.core.open_calls.take(key_id)

@@ -35,8 +35,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from serve_app.errors import APIError, responses_error_event
+from serve_app.errors import APIError, quoted, responses_error_event
 from serve_app.front_door.admission.deadlines import Deadline
+from serve_app.front_door.admission.echoed import checked_id, checked_position
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.admission.open_calls import OpenCalls
 from serve_app.front_door.admission.pipeline import Admitted
@@ -201,7 +202,7 @@ def queued_response(payload: Any, model_name: str, max_output_tokens: int | None
 
 async def _found(request: Request) -> tuple[StoredResponses, StoredResponse]:
     stored: StoredResponses = request.app.state.core.stored
-    response_id = request.path_params["response_id"]
+    response_id = checked_id(request.path_params["response_id"], "response_id")
     found = await stored.store.load(response_id, owner_of(request))
     if found is None or not found.is_response:
         raise APIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
@@ -210,9 +211,9 @@ async def _found(request: Request) -> tuple[StoredResponses, StoredResponse]:
 
 def _starting_after(request: Request) -> int:
     value = request.query_params.get("starting_after", "-1")
-    if not value.lstrip("-").isdigit() or int(value) < -1:
-        raise APIError(400, f"starting_after must be a sequence number, not {value!r}", param="starting_after")
-    return int(value)
+    if len(value) > 20 or not value.lstrip("-").isdigit():
+        raise APIError(400, f"starting_after must be a sequence number, not {quoted(value)!r}", param="starting_after")
+    return checked_position(int(value), "starting_after")
 
 
 async def retrieve(request: Request) -> Response:

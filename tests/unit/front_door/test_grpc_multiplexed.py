@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 
 from serve_app.config import GRPCStreamConfig
 from serve_app.errors import APIError
+from serve_app.front_door.admission.echoed import MAX_ID_CHARS
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.messages import error_message, wrap
 from serve_app.front_door.grpc_api.multiplexed import MultiplexedCall
@@ -106,6 +107,8 @@ async def test_requests_interleave_and_each_ends_with_one_final_after_which_the_
 
 
 async def test_a_message_without_an_id_or_a_request_a_running_id_and_an_unknown_cancel_are_rejected_alone():
+    """And an id past its bound (it would be copied into every response): rejected under its first
+    128 characters, not echoed whole."""
     runner, client = Runner(), Client()
     client.send(
         chat("hold"),
@@ -113,6 +116,7 @@ async def test_a_message_without_an_id_or_a_request_a_running_id_and_an_unknown_
         pb.StreamRequest(id="empty"),
         chat("hold"),
         cancel("nobody"),
+        chat("x" * 5_000),
     )
     call = MultiplexedCall(runner, GRPCStreamConfig())
     reading = asyncio.create_task(read_all(call, client))
@@ -122,7 +126,13 @@ async def test_a_message_without_an_id_or_a_request_a_running_id_and_an_unknown_
     client.half_close()
     responses = await asyncio.wait_for(reading, 5)
     rejected = {(r.id, r.rejected.param, r.rejected.http_status) for r in responses if r.HasField("rejected")}
-    assert rejected == {("", "id", 400), ("empty", "request", 400), ("hold", "id", 409), ("nobody", "id", 404)}
+    assert rejected == {
+        ("", "id", 400),
+        ("empty", "request", 400),
+        ("hold", "id", 409),
+        ("nobody", "id", 404),
+        ("x" * MAX_ID_CHARS, "id", 400),
+    }
     assert runner.started == ["hold"] and len(finals(responses)["hold"]) == 1
 
 
