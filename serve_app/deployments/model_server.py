@@ -170,6 +170,12 @@ class ModelServer:
         async for response in self.grpc.resume(request, grpc_context):
             yield response
 
+    async def CancelAnswer(self, request: pb.AnswerRequest, grpc_context: GRPCContext) -> pb.AnswerState:
+        return await self.grpc.cancel_answer(request, grpc_context)
+
+    async def DeleteAnswer(self, request: pb.AnswerRequest, grpc_context: GRPCContext) -> pb.AnswerState:
+        return await self.grpc.delete_answer(request, grpc_context)
+
     async def Check(
         self, request: health_pb2.HealthCheckRequest, grpc_context: GRPCContext
     ) -> health_pb2.HealthCheckResponse:

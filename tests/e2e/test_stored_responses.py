@@ -164,6 +164,38 @@ async def test_a_kept_grpc_answer_resumes_through_the_other_replica(stored, ray_
         assert (await client.get(f"/responses/{answer_id}")).status_code == 404  # (not a Responses API response)
 
 
+async def test_a_stored_answer_whose_call_dropped_is_cancelled_and_deleted_through_the_other_replica(
+    stored, ray_cluster
+):
+    """A kept request's Stream call to one replica drops; ``CancelAnswer`` through the other replica
+    stops its generation (the engine holds nothing more) and returns it ``cancelled``, its log ending
+    with the cancel's final for ``Resume``; ``DeleteAnswer`` forgets it (then NOT_FOUND), and an id
+    past its bound is INVALID_ARGUMENT."""
+    one, other = await replica_addresses(stored, ray_cluster.haproxy_stats_url, "grpc")
+    await stored.engines.control_all(Control.PACE, SLOW)
+    async with grpc.aio.insecure_channel(one) as grpc_channel:
+        call = Multiplexed(pb_grpc.GenerationStub(grpc_channel))
+        await call.send(pb.StreamRequest(id="dropped", store=True, chat=grpc_chat(stored.app.model, 900)))
+        await wait_until(lambda: len(call.responses) >= 2, 60, "the kept request under way")
+        call.call.cancel()
+    answer_id = call.responses[0].answer_id
+    await stored.engines.wait_until_holding(1, within_s=30)  # (it runs on: its call is gone, not it)
+    async with grpc.aio.insecure_channel(other) as grpc_channel:
+        stub = pb_grpc.GenerationStub(grpc_channel)
+        cancelled = await stub.CancelAnswer(pb.AnswerRequest(answer_id=answer_id))
+        await stored.engines.wait_until_holding(0, within_s=30)
+        rest = [r async for r in stub.Resume(pb.ResumeRequest(answer_id=answer_id, after_index=-1))]
+        deleted = await stub.DeleteAnswer(pb.AnswerRequest(answer_id=answer_id))
+        gone = await call_whole(stub.Resume, pb.ResumeRequest(answer_id=answer_id, after_index=-1))
+        with pytest.raises(grpc.aio.AioRpcError) as too_long:
+            await stub.CancelAnswer(pb.AnswerRequest(answer_id="ans_" + "0" * 5_000))
+    assert (cancelled.answer_id, cancelled.status) == (answer_id, "cancelled")
+    assert rest[-1].chat.final and rest[-1].chat.error.code == "response_cancelled"
+    assert (deleted.status, deleted.deleted) == ("cancelled", True)
+    assert gone.code == grpc.StatusCode.NOT_FOUND
+    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_two_readers_through_two_replicas_read_the_same_answer(stored, ray_cluster):
     urls = await replica_urls(stored, ray_cluster.haproxy_stats_url)
     response_id = await background(sdk(urls[0]), stored.app.model)

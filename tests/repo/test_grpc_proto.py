@@ -12,7 +12,7 @@ def test_checked_in_code_matches_the_proto(tmp_path: Path):
     assert sorted(p.name for p in (REPO / PACKAGE_DIR).glob("generation_pb2*")) == sorted(GENERATED)
 
 
-def test_the_service_has_the_api_s_streaming_calls_and_the_multiplexed_one():
+def test_the_service_has_the_api_s_streaming_calls_the_multiplexed_one_and_the_answers_controls():
     from serve_app.front_door.grpc_api import generation_pb2 as pb
 
     service = pb.DESCRIPTOR.services_by_name["Generation"]
@@ -23,5 +23,8 @@ def test_the_service_has_the_api_s_streaming_calls_and_the_multiplexed_one():
         "Completion": ("CompletionRequest", "CompletionResponse", False),
         "Stream": ("StreamRequest", "StreamResponse", True),
         "Resume": ("ResumeRequest", "StreamResponse", False),
+        "CancelAnswer": ("AnswerRequest", "AnswerState", False),
+        "DeleteAnswer": ("AnswerRequest", "AnswerState", False),
     }
-    assert all(m.server_streaming for m in service.methods)
+    streamed = {m.name for m in service.methods if m.server_streaming}
+    assert streamed == {"ChatCompletion", "Completion", "Stream", "Resume"}  # (the answers' controls are unary)

@@ -3,23 +3,30 @@
 The store the config names (:mod:`serve_app.front_door.answer_log.memory_store` or
 :mod:`serve_app.front_door.answer_log.redis_store`, its address read from the replica's
 environment) and the background answers this replica generates (:mod:`.background`). Built once
-per replica, beside its front door's core.
+per replica, beside its front door's core. Stopping and forgetting an answer (a Responses API
+background answer, a kept gRPC answer) is done here once, for the HTTP routes and the gRPC calls.
 
 Runs in each model replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import ResponsesStoreConfig
+from serve_app.errors import APIError
 from serve_app.front_door.admission.echoed import check_responses_echoed
+from serve_app.front_door.answer_log.follow import CANCELLED, finish
 from serve_app.front_door.answer_log.history import with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
-from serve_app.front_door.answer_log.store import ResponseStore
+from serve_app.front_door.answer_log.store import ResponseStore, StoredResponse
 from serve_app.front_door.core.background import BackgroundAnswers
+
+CANCEL_WAIT_S = 5.0  # longest a cancel waits for the answer's replica to end it
+CANCEL_POLL_S = 0.05
 
 
 @dataclass
@@ -67,3 +74,36 @@ class StoredResponses:
     async def close(self) -> None:
         await self.background.close()
         await self.store.close()
+
+    async def cancel(self, found: StoredResponse) -> StoredResponse | None:
+        """Stop a background answer wherever it is generated: by its replica (asked through the
+        store's cancel channel), or here when its replica is gone; the answer once it ended (None: it
+        was deleted meanwhile; 504 ``cancel_timeout`` when its replica did not end it in time)."""
+        response_id, owner = str(found.response["id"]), found.owner
+        if found.finished:
+            return found
+        if await self.store.leased(response_id):
+            await self.background.cancel(response_id)
+        else:  # its replica is gone: nobody else will end it
+            written = len(await self.store.read(response_id, -1, 0))
+            await finish(self.store, found.response, written, None, CANCELLED)
+        now: StoredResponse | None = found
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                while now is not None and not now.finished:
+                    await asyncio.sleep(CANCEL_POLL_S)  # the store's state is polled: no event says it changed
+                    now = await self.store.load(response_id, owner)
+        except TimeoutError:
+            raise APIError(
+                504,
+                f"the replica generating {response_id!r} did not confirm the cancel within {CANCEL_WAIT_S:g} s",
+                code="cancel_timeout",
+            ) from None
+        return now
+
+    async def delete(self, found: StoredResponse) -> None:
+        """Forget a response and its log (a background answer still generated is stopped first)."""
+        response_id = str(found.response["id"])
+        if found.background and not found.finished:
+            await self.background.cancel(response_id)
+        await self.store.delete(response_id)

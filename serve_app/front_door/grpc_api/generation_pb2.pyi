@@ -179,6 +179,22 @@ class ResumeRequest(_message.Message):
     after_index: int
     def __init__(self, answer_id: _Optional[str] = ..., after_index: _Optional[int] = ...) -> None: ...
 
+class AnswerRequest(_message.Message):
+    __slots__ = ("answer_id",)
+    ANSWER_ID_FIELD_NUMBER: _ClassVar[int]
+    answer_id: str
+    def __init__(self, answer_id: _Optional[str] = ...) -> None: ...
+
+class AnswerState(_message.Message):
+    __slots__ = ("answer_id", "status", "deleted")
+    ANSWER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    answer_id: str
+    status: str
+    deleted: bool
+    def __init__(self, answer_id: _Optional[str] = ..., status: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
+
 class StreamResponse(_message.Message):
     __slots__ = ("id", "index", "answer_id", "chat", "completion", "rejected")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,16 @@ class GenerationStub:
                 request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
                 _registered_method=True)
+        self.CancelAnswer = channel.unary_unary(
+                '/glm4serve.v1.Generation/CancelAnswer',
+                request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.SerializeToString,
+                response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.FromString,
+                _registered_method=True)
+        self.DeleteAnswer = channel.unary_unary(
+                '/glm4serve.v1.Generation/DeleteAnswer',
+                request_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.SerializeToString,
+                response_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -90,6 +100,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelAnswer(self, request, context):
+        """Stop a stored answer wherever it runs (the call that asked for it may be gone); its state once
+        it ended (its final response, with the cancel's error, is in its log for Resume).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAnswer(self, request, context):
+        """Forget a stored answer and its log (stopped first if it runs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +137,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.FromString,
                     response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.SerializeToString,
+            ),
+            'CancelAnswer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelAnswer,
+                    request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.FromString,
+                    response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.SerializeToString,
+            ),
+            'DeleteAnswer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAnswer,
+                    request_deserializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.FromString,
+                    response_serializer=serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +257,60 @@ class Generation:
             '/glm4serve.v1.Generation/Resume',
             serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.ResumeRequest.SerializeToString,
             serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelAnswer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm4serve.v1.Generation/CancelAnswer',
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.SerializeToString,
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAnswer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm4serve.v1.Generation/DeleteAnswer',
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerRequest.SerializeToString,
+            serve__app_dot_front__door_dot_grpc__api_dot_generation__pb2.AnswerState.FromString,
             options,
             channel_credentials,
             insecure,

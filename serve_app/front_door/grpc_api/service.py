@@ -47,10 +47,11 @@ from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
 from serve_app.front_door.admission.echoed import checked_id, checked_position
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.answer_log.follow import end_if_orphaned
-from serve_app.front_door.answer_log.store import NO_OWNER
+from serve_app.front_door.answer_log.store import NO_OWNER, StoredResponse
 from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import Generation
 from serve_app.front_door.core.readiness import Readiness
+from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import stored_answers
 from serve_app.front_door.grpc_api.messages import SHAPES, MessageBody, ResponseWriter, error_of_event
@@ -131,15 +132,10 @@ class GenerationService:
         whichever replica takes the call, to its final. Another key's answer is NOT_FOUND, as a
         missing one is; an answer that ended before ``after_index`` ends the call with nothing."""
         metadata = dict(context.invocation_metadata())
-        stored = self.core.stored
         try:
             key_id = self.key_of(metadata)
-            if stored is None:
-                raise APIError(400, "this server keeps no answers", "answer_id")
             checked_position(request.after_index, "after_index")
-            found = await stored.store.load(checked_id(request.answer_id, "answer_id"), key_id or NO_OWNER)
-            if found is None or found.response.get("object") != stored_answers.OBJECT:
-                raise stored_answers.not_found(request.answer_id)
+            stored, found = await self.stored_answer(request.answer_id, key_id)
             self.core.open_calls.take(key_id)
         except APIError as refusal:
             set_status(context, refusal)
@@ -152,6 +148,41 @@ class GenerationService:
                 yield response
         finally:
             self.core.open_calls.give_back(key_id)
+
+    async def stored_answer(self, answer_id: str, key_id: str | None) -> tuple[StoredResponses, StoredResponse]:
+        """The key's stored answer of that id (NOT_FOUND for another key's, as for a missing one)."""
+        stored = self.core.stored
+        if stored is None:
+            raise APIError(400, "this server keeps no answers", "answer_id")
+        found = await stored.store.load(checked_id(answer_id, "answer_id"), key_id or NO_OWNER)
+        if found is None or found.response.get("object") != stored_answers.OBJECT:
+            raise stored_answers.not_found(answer_id)
+        return stored, found
+
+    async def cancel_answer(self, request: pb.AnswerRequest, context: GRPCContext) -> pb.AnswerState:
+        """Generation/CancelAnswer: stop a stored answer wherever it runs (its Stream call may be gone),
+        as the Responses API's cancel does; its state once it ended."""
+        try:
+            key_id = self.key_of(dict(context.invocation_metadata()))
+            stored, found = await self.stored_answer(request.answer_id, key_id)
+            now = await stored.cancel(found)
+            if now is None:
+                raise stored_answers.not_found(request.answer_id)
+        except APIError as refusal:
+            set_status(context, refusal)
+            return pb.AnswerState()
+        return pb.AnswerState(answer_id=request.answer_id, status=now.status)
+
+    async def delete_answer(self, request: pb.AnswerRequest, context: GRPCContext) -> pb.AnswerState:
+        """Generation/DeleteAnswer: forget a stored answer and its log (stopped first if it runs)."""
+        try:
+            key_id = self.key_of(dict(context.invocation_metadata()))
+            stored, found = await self.stored_answer(request.answer_id, key_id)
+            await stored.delete(found)
+        except APIError as refusal:
+            set_status(context, refusal)
+            return pb.AnswerState()
+        return pb.AnswerState(answer_id=request.answer_id, status=found.status, deleted=True)
 
     def record(self, kind: str, rpc: str, stream_id: str = "") -> RequestRecord:
         return self.core.new_record(

@@ -22,7 +22,6 @@ Runs in each model replica.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -41,7 +40,7 @@ from serve_app.front_door.admission.echoed import checked_id, checked_position
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.admission.open_calls import OpenCalls
 from serve_app.front_door.admission.pipeline import Admitted
-from serve_app.front_door.answer_log.follow import CANCELLED, end_if_orphaned, finish, follow
+from serve_app.front_door.answer_log.follow import end_if_orphaned, follow
 from serve_app.front_door.answer_log.history import request_input_items
 from serve_app.front_door.answer_log.store import (
     NO_OWNER,
@@ -62,9 +61,6 @@ from serve_app.protocol import streamed
 logger = logging.getLogger("ray.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-CANCEL_WAIT_S = 5.0  # longest a cancel waits for the answer's replica to end it
-CANCEL_POLL_S = 0.05
 
 
 def owner_of(request: Request) -> str:
@@ -235,39 +231,17 @@ async def cancel(request: Request) -> Response:
     stored, found = await _found(request)
     if not found.background:
         raise APIError(400, "only a background response can be cancelled", param="response_id")
-    response_id, owner = str(found.response["id"]), owner_of(request)
-    now: StoredResponse | None = found
-    if found.finished:
-        return JSONResponse(found.response)
-    if await stored.store.leased(response_id):
-        await stored.background.cancel(response_id)
-    else:  # its replica is gone: nobody else will end it
-        written = len(await stored.store.read(response_id, -1, 0))
-        await finish(stored.store, found.response, written, None, CANCELLED)
-    try:
-        async with asyncio.timeout(CANCEL_WAIT_S):
-            while now is not None and not now.finished:
-                await asyncio.sleep(CANCEL_POLL_S)  # the store's state is polled: no event says it changed
-                now = await stored.store.load(response_id, owner)
-    except TimeoutError:
-        raise APIError(
-            504,
-            f"the replica generating {response_id!r} did not confirm the cancel within {CANCEL_WAIT_S:g} s",
-            code="cancel_timeout",
-        ) from None
+    now = await stored.cancel(found)
     if now is None:
-        raise APIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
+        raise APIError(404, f"no stored response has the id {found.response['id']!r}", code="response_not_found")
     return JSONResponse(now.response)
 
 
 async def delete(request: Request) -> Response:
     """``DELETE /v1/responses/{id}``: forget it (a background answer still generated is cancelled first)."""
     stored, found = await _found(request)
-    response_id = str(found.response["id"])
-    if found.background and not found.finished:
-        await stored.background.cancel(response_id)
-    await stored.store.delete(response_id)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    await stored.delete(found)
+    return JSONResponse({"id": found.response["id"], "object": "response", "deleted": True})
 
 
 def stored_response_routes() -> list[Route]:
