@@ -7,13 +7,15 @@ response of its request and every entry of a kept answer's log: each is at most
 :data:`MAX_ID_CHARS`. A position (``starting_after``, ``after_index``) is a number a log can
 hold. The Responses API's ``metadata`` is bounded as OpenAI bounds it (16 pairs, keys of 64
 characters, values of 512), and ``user`` and the like at 512 characters: each is echoed in the
-response object, which is kept. Past a bound: 400 naming the parameter, before the store is asked.
+response object, which is kept. Past a bound: 400 naming the parameter, before the store is asked;
+an id of another shape than the server gives what it stores (:func:`names_stored`) is a 404.
 
 Runs in each model replica (and its checker process, for a large body).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,16 @@ MAX_POSITION = 2**62  # a log's sequence numbers and indexes stay below it (Redi
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 MAX_LABEL_CHARS = 512
 LABELS = ("user", "safety_identifier", "prompt_cache_key")  # strings a Responses body may send, echoed or kept
+
+
+# The ids the server gives what it stores (admission/validation.py, grpc_api/stored_answers.py).
+STORED_ID = re.compile(r"(resp|ans)_[0-9a-f]{32}")
+
+
+def names_stored(value: str) -> bool:
+    """Whether ``value`` has the shape of an id the server gives a stored response or answer: any
+    other is stored nowhere (the door answers 404 without asking the store, whose keys it could name)."""
+    return STORED_ID.fullmatch(value) is not None
 
 
 def checked_id(value: str, param: str) -> str:

@@ -53,6 +53,10 @@ def output_as_input(response: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def previous_not_found(previous_id: str) -> APIError:
+    return APIError(404, f"no stored response has the id {previous_id!r}", param=PARAM, code="response_not_found")
+
+
 async def with_history(fields: dict[str, Any], store: ResponseStore, owner: str) -> dict[str, Any]:
     """``fields`` with its previous response's conversation before its input (404 when that
     response is not the caller's to read, 400 while it is still being answered)."""
@@ -63,7 +67,7 @@ async def with_history(fields: dict[str, Any], store: ResponseStore, owner: str)
         raise APIError(400, f"{PARAM} must be a string", param=PARAM)
     stored = await store.load(previous_id, owner)
     if stored is None or not stored.is_response:
-        raise APIError(404, f"no stored response has the id {previous_id!r}", param=PARAM, code="response_not_found")
+        raise previous_not_found(previous_id)
     if not stored.finished:
         raise APIError(400, f"response {previous_id!r} is still {stored.status}", param=PARAM)
     history = await store.input_items(previous_id)

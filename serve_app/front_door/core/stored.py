@@ -18,9 +18,9 @@ from typing import Any
 
 from serve_app.config import ResponsesStoreConfig
 from serve_app.errors import APIError
-from serve_app.front_door.admission.echoed import check_responses_echoed
+from serve_app.front_door.admission.echoed import check_responses_echoed, names_stored
 from serve_app.front_door.answer_log.follow import CANCELLED, finish
-from serve_app.front_door.answer_log.history import with_history
+from serve_app.front_door.answer_log.history import PARAM, previous_not_found, with_history
 from serve_app.front_door.answer_log.memory_store import MemoryStore
 from serve_app.front_door.answer_log.store import ResponseStore, StoredResponse
 from serve_app.front_door.core.background import BackgroundAnswers
@@ -67,6 +67,9 @@ class StoredResponses:
 
         async def expanded(fields: dict[str, Any]) -> dict[str, Any]:
             check_responses_echoed(fields)
+            previous_id = fields.get(PARAM)
+            if isinstance(previous_id, str) and not names_stored(previous_id):
+                raise previous_not_found(previous_id)  # (stored nowhere: the store is not asked)
             return await with_history(fields, self.store, owner)
 
         return expanded

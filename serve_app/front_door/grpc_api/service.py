@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2
 from serve_app.errors import APIError, grpc_status
 from serve_app.front_door.admission.auth import authenticate
 from serve_app.front_door.admission.deadlines import Deadline, requested_timeout
-from serve_app.front_door.admission.echoed import checked_id, checked_position
+from serve_app.front_door.admission.echoed import checked_id, checked_position, names_stored
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.answer_log.follow import end_if_orphaned
 from serve_app.front_door.answer_log.store import NO_OWNER, StoredResponse
@@ -154,7 +154,8 @@ class GenerationService:
         stored = self.core.stored
         if stored is None:
             raise APIError(400, "this server keeps no answers", "answer_id")
-        found = await stored.store.load(checked_id(answer_id, "answer_id"), key_id or NO_OWNER)
+        stored_id = checked_id(answer_id, "answer_id")
+        found = await stored.store.load(stored_id, key_id or NO_OWNER) if names_stored(stored_id) else None
         if found is None or found.response.get("object") != stored_answers.OBJECT:
             raise stored_answers.not_found(answer_id)
         return stored, found

@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.errors import APIError, quoted, responses_error_event
 from serve_app.front_door.admission.deadlines import Deadline
-from serve_app.front_door.admission.echoed import checked_id, checked_position
+from serve_app.front_door.admission.echoed import checked_id, checked_position, names_stored
 from serve_app.front_door.admission.endpoints import Endpoint
 from serve_app.front_door.admission.open_calls import OpenCalls
 from serve_app.front_door.admission.pipeline import Admitted
@@ -199,7 +199,7 @@ def queued_response(payload: Any, model_name: str, max_output_tokens: int | None
 async def _found(request: Request) -> tuple[StoredResponses, StoredResponse]:
     stored: StoredResponses = request.app.state.core.stored
     response_id = checked_id(request.path_params["response_id"], "response_id")
-    found = await stored.store.load(response_id, owner_of(request))
+    found = await stored.store.load(response_id, owner_of(request)) if names_stored(response_id) else None
     if found is None or not found.is_response:
         raise APIError(404, f"no stored response has the id {response_id!r}", code="response_not_found")
     return stored, found

@@ -13,110 +13,28 @@ import httpx
 import pytest
 
 from serve_app.config import OpenCallsConfig
-from serve_app.deployments.rate_limiter import RateLedger
 from serve_app.errors import APIError
-from serve_app.front_door.admission.auth import APIKeys
 from serve_app.front_door.admission.capacity import GenerationSlots
-from serve_app.front_door.admission.deadlines import TimeLimits
-from serve_app.front_door.admission.models import ModelCatalog, ModelEntry
+from serve_app.front_door.admission.large_bodies import LARGE_BODY_BYTES
 from serve_app.front_door.admission.open_calls import OpenCalls
-from serve_app.front_door.admission.pipeline import BodyRules
-from serve_app.front_door.admission.rate_limits import KeyLimits
-from serve_app.front_door.admission.settings import IngressSettings
-from serve_app.front_door.answer_log.memory_store import MemoryStore
-from serve_app.front_door.core.background import BackgroundAnswers
 from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.readiness import Readiness
-from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.http_api.app import build_http_app
-from tests.unit.front_door.fakes import CHAT, KEYS, FixedReadiness, LedgerHandle
+from tests.unit.front_door.cores import (
+    ALPHA,
+    BACKGROUND,
+    BETA,
+    CHUNK,
+    MODEL,
+    Answer,
+    client,
+    core_with,
+    key,
+    leases,
+)
+from tests.unit.front_door.fakes import CHAT, FixedReadiness
 from tests.waiting import wait_until
-
-MODEL = "glm-4-9b-chat"
-ALPHA, BETA = "sk-alpha-0123456789ab", "sk-beta-0123456789abc"
-
-
-class Answer:
-    """One engine answer the test holds: its first chunk at once, the rest once released."""
-
-    def __init__(self, method: str, request_id: str) -> None:
-        self.method, self.request_id = method, request_id
-        self.release = asyncio.Event()
-        self.cancelled = False
-        self.sent = False
-
-    def __aiter__(self) -> Answer:
-        return self
-
-    async def __anext__(self) -> Any:
-        if not self.sent:
-            self.sent = True
-            return self._event("response.created", "in_progress") if self.method == "responses" else CHUNK
-        if self.release.is_set() and self.method:
-            self.method = ""  # (its last event given: its outcome next)
-            return self._event("response.completed", "completed") if self.sent else CHUNK
-        if self.release.is_set():
-            raise StopAsyncIteration
-        await self.release.wait()
-        return await self.__anext__()
-
-    def _event(self, kind: str, status: str) -> str:
-        response = {"id": self.request_id, "object": "response", "status": status}
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'response': response})}\n\n"
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-CHUNK = 'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
-
-
-class HeldModel:
-    """The engine: every answer held until the test releases it."""
-
-    def __init__(self) -> None:
-        self.answers: list[Answer] = []
-
-    def generate(self, method: str, payload: Any, trace_context: Any = None) -> Answer:
-        answer = Answer(method, payload.request_id)
-        self.answers.append(answer)
-        return answer
-
-    def running(self) -> list[Answer]:
-        return [a for a in self.answers if not a.release.is_set() and not a.cancelled]
-
-
-def core_with(
-    limit: int = 16, max_concurrent: int | None = None, max_waiting: int = 4, background_limit: int = 64
-) -> tuple[FrontDoor, HeldModel, LedgerHandle]:
-    model = HeldModel()
-    settings = IngressSettings(max_request_body_bytes=1 << 20, time_limits=TimeLimits(600, 120), log_requests=False)
-    limiter = LedgerHandle(RateLedger(None, None, max_concurrent))
-    limits = KeyLimits(limiter, counts_tokens=False, max_concurrent=max_concurrent)
-    store = MemoryStore(60, 100)
-    stored = StoredResponses(store, store, BackgroundAnswers(store, background_limit, 60.0, max_waiting), 60.0)
-    rules = BodyRules(settings, ModelCatalog({MODEL: ModelEntry(MODEL, model, 1024)}), limits)
-    core = FrontDoor(rules, APIKeys("test keys", lambda: KEYS), GenerationSlots(limit, MODEL), stored=stored)
-    return core, model, limiter
-
-
-def client(core: FrontDoor) -> httpx.AsyncClient:
-    app = build_http_app(core, FixedReadiness(Readiness({MODEL: True}, age_s=0.1, max_age_s=30)))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica", timeout=30)
-
-
-def key(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def leases(limiter: LedgerHandle) -> int:
-    assert limiter.ledger is not None
-    return sum(len(held) for held in limiter.ledger.leases.values())
-
-
-BACKGROUND = {"model": MODEL, "input": "hi", "background": True, "max_output_tokens": 8}
-
 
 # --- a permit's life ------------------------------------------------------------------------------
 
@@ -236,6 +154,27 @@ async def test_a_background_answer_holds_its_requests_places_until_it_ends_not_u
         await wait_until(lambda: core.slots.held == 0, 5, "its place given back as it ended")
     await asyncio.gather(*core.rules.key_limits._calls)
     assert leases(limiter) == 0
+
+
+async def test_a_background_body_past_256_kib_is_kept_and_run_as_a_small_one_is():
+    """Checked in the checker process (its bytes past LARGE_BODY_BYTES), a background Responses body is
+    kept ``queued`` with the input items a later turn continues from, and its answer runs (issue 78:
+    such a body was never kept, and its ``background`` ignored)."""
+    core, model, _ = core_with()
+    small = json.dumps(BACKGROUND | {"input": [{"role": "user", "content": "hi"}]}).encode()
+    large = small[:-1] + b" " * LARGE_BODY_BYTES + b"}"
+    assert core.stored is not None
+    async with client(core) as http:
+        headers = key(ALPHA) | {"Content-Type": "application/json"}
+        posted = await http.post("/v1/responses", content=large, headers=headers)
+        assert posted.status_code == 200, posted.text
+        assert (posted.json()["status"], posted.json()["background"]) == ("queued", True)
+        response_id = posted.json()["id"]
+        await wait_until(lambda: model.answers, 60, "the answer began")
+        (item,) = await core.stored.store.input_items(response_id)
+        assert (item["role"], item["content"]) == ("user", "hi")
+        model.answers[0].release.set()
+        await wait_until(lambda: core.slots is not None and core.slots.held == 0, 5, "the answer ended")
 
 
 async def test_past_its_keys_cap_a_background_answer_waits_queued_in_order_and_never_runs_beyond_the_cap():
