@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 from starlette.testclient import TestClient
 
 from serve_app.config import CORSConfig
@@ -198,3 +199,28 @@ class LedgerHandle:
                 pass
 
         return Response()
+
+
+class FakeContext:
+    """Stands in for Serve's RayServegRPCContext: metadata in; code, details and trailing metadata out."""
+
+    def __init__(self, metadata: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+        self.metadata = list(metadata)
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.trailing: list[tuple[str, str]] = [("request_id", "abc")]  # what Serve's proxy put there
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def trailing_metadata(self) -> list[tuple[str, str]]:
+        return self.trailing
+
+    def set_trailing_metadata(self, metadata: list[tuple[str, str]]) -> None:
+        self.trailing = list(metadata)

@@ -30,34 +30,18 @@ from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api.service import GenerationService
 from serve_app.protocol import Outcome, WholeAnswer
-from tests.unit.front_door.fakes import HANG, KEYS, SHORT, FakeModel, FixedReadiness, LedgerHandle, RecordingMetrics
+from tests.unit.front_door.fakes import (
+    HANG,
+    KEYS,
+    SHORT,
+    FakeContext,
+    FakeModel,
+    FixedReadiness,
+    LedgerHandle,
+    RecordingMetrics,
+)
 
 MODEL = "glm-4-9b-chat"
-
-
-class FakeContext:
-    """Stands in for Serve's RayServegRPCContext: metadata in; code, details and trailing metadata out."""
-
-    def __init__(self, metadata: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
-        self.metadata = list(metadata)
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.trailing: list[tuple[str, str]] = [("request_id", "abc")]  # what Serve's proxy put there
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self.metadata
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def trailing_metadata(self) -> list[tuple[str, str]]:
-        return self.trailing
-
-    def set_trailing_metadata(self, metadata: list[tuple[str, str]]) -> None:
-        self.trailing = list(metadata)
 
 
 def sse(document: dict) -> str:
