@@ -11,7 +11,7 @@ import json
 
 from hypothesis import strategies as st
 
-from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, MODEL
+from tests.hostile_requests import CHAT_PATH, COMPLETION_PATH, MODEL, RESPONSES_PATH
 
 JSON_LEAF = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 JSON_VALUE = st.recursive(
@@ -80,12 +80,53 @@ def completion_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries(required, optional=optional)
 
 
+# A Responses API input item: served kinds, kinds with nothing behind them here, and anything.
+CONTENT_PART = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]) | JSON_VALUE,
+        "text": st.text(max_size=20) | JSON_VALUE,
+    },
+)
+ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "image"])
+        | JSON_VALUE,
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | JSON_VALUE,
+        "content": st.text(max_size=20) | st.lists(CONTENT_PART | JSON_VALUE, max_size=3) | JSON_VALUE,
+        "call_id": st.text(max_size=8) | JSON_VALUE,
+        "name": st.text(max_size=8) | JSON_VALUE,
+        "arguments": st.text(max_size=20) | JSON_VALUE,
+        "output": st.text(max_size=20) | JSON_VALUE,
+    },
+)
+RESPONSES_PARAMS = ["stream", "store", "background", "previous_response_id", "metadata", "user", "instructions"]
+RESPONSES_PARAMS += ["tools", "tool_choice", "include", "temperature", "text", "truncation", "reasoning"]
+
+
+def responses_bodies(max_output: int | None = None) -> st.SearchStrategy[dict]:
+    """Responses-shaped bodies: input as text, a list of items of any kind and shape, or anything."""
+    tokens = st.integers(-5, 5000) | JSON_VALUE if max_output is None else st.integers(-1, max_output) | JSON_LEAF
+    required = {
+        "model": st.just(MODEL) | JSON_VALUE,
+        "input": st.text(max_size=30) | st.lists(ITEM | JSON_VALUE, max_size=4) | JSON_VALUE,
+    }
+    if max_output is not None:
+        required["max_output_tokens"] = tokens
+    optional = {name: JSON_VALUE for name in RESPONSES_PARAMS}
+    if max_output is None:
+        optional["max_output_tokens"] = tokens
+    return st.fixed_dictionaries(required, optional=optional)
+
+
 def request_bodies(max_output: int | None = None) -> st.SearchStrategy[tuple[str, bytes]]:
-    """(path, raw body): chat- or completion-shaped JSON, any JSON, or any bytes, to either route."""
-    any_path = st.sampled_from([CHAT_PATH, COMPLETION_PATH])
+    """(path, raw body): chat-, completion- or Responses-shaped JSON, any JSON, or any bytes, to any route."""
+    any_path = st.sampled_from([CHAT_PATH, COMPLETION_PATH, RESPONSES_PATH])
     shapeless = JSON_VALUE.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64)
     return st.one_of(
         st.tuples(st.just(CHAT_PATH), chat_bodies(max_output).map(lambda b: json.dumps(b).encode())),
         st.tuples(st.just(COMPLETION_PATH), completion_bodies(max_output).map(lambda b: json.dumps(b).encode())),
+        st.tuples(st.just(RESPONSES_PATH), responses_bodies(max_output).map(lambda b: json.dumps(b).encode())),
         st.tuples(any_path, shapeless),
     )

@@ -31,7 +31,7 @@ from tests.hostile_requests import (
     responses,
 )
 from tests.openai_errors import assert_openai_error
-from tests.request_strategies import request_bodies
+from tests.request_strategies import request_bodies, responses_bodies
 from tests.unit.front_door.fakes import client_for
 
 
@@ -240,6 +240,17 @@ def test_fuzzed_bodies_never_get_a_5xx(app, request: tuple[str, bytes]):
     client, handle = app
     sent = len(handle.payloads)
     check_answer(client.post(path, content=body), handle, sent)
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(body=responses_bodies())
+def test_fuzzed_responses_bodies_never_get_a_5xx(app, body: dict):
+    """The Responses API's item lists of any kind and shape, stored, backgrounded and streamed or not."""
+    client, handle = app
+    sent = len(handle.payloads)
+    check_answer(client.post(RESPONSES_PATH, content=json.dumps(body).encode()), handle, sent)
 
 
 def test_every_body_the_hostile_benchmark_sends_is_refused_by_the_ingress(app):
