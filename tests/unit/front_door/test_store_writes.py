@@ -16,9 +16,10 @@ from serve_app.config import RedisStoreConfig
 from serve_app.errors import APIError
 from serve_app.front_door.answer_log.follow import REPLICA_LOST, finish
 from serve_app.front_door.answer_log.patient import PatientStore
-from serve_app.front_door.answer_log.redis_client import connect
+from serve_app.front_door.answer_log.redis_client import connect, options
 from serve_app.front_door.answer_log.redis_store import PREFIX, RedisStore
 from serve_app.front_door.answer_log.store import StoreDown
+from tests.unit.front_door.cores import ALPHA, MODEL, client, core_with, key
 from tests.unit.front_door.stores import OTHER, OWNER, event, response, unique
 from tests.waiting import wait_until
 from tools.local_redis import LocalRedis
@@ -267,3 +268,25 @@ async def test_a_full_redis_keeps_no_new_response_and_lets_running_answers_finis
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_stored_foreground_answer_is_answered_whole_when_the_store_is_down_at_its_end(tmp_path, caplog):
+    """The store is needed only to keep the answer once it ended: a store down then costs the keeping
+    (logged), not the answer, which the client gets to its last event."""
+    server = LocalRedis(tmp_path / "redis").start()
+    shipped = options(RedisStoreConfig())
+    store = RedisStore(aioredis.Redis(port=server.port, password=server.password, **shipped), 60, 100)
+    core, model, _ = core_with(store=store)
+    try:
+        async with client(core) as http:
+            body = {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 8}
+            posted = asyncio.create_task(http.post("/v1/responses", json=body, headers=key(ALPHA)))
+            await wait_until(lambda: model.answers, 10, "the answer began")
+            server.stop()
+            model.answers[0].release.set()
+            answer = await posted
+        assert answer.status_code == 200
+        assert answer.text.rstrip().split("\n\n")[-1].startswith("event: response.completed")
+        assert "answered and not stored" in caplog.text
+    finally:
+        await store.close()
