@@ -219,4 +219,6 @@ async def test_health_service_and_reflection(app):
         "Completion": (False, True),
         "Stream": (True, True),
         "Resume": (False, True),
+        "CancelAnswer": (False, False),
+        "DeleteAnswer": (False, False),
     }, methods
