@@ -20,6 +20,7 @@ from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.bodies import grpc_chat
 from tests.e2e.harness.grpc_calls import Multiplexed, channel
+from tests.waiting import wait_until
 
 REQUESTS = 64  # on one call: the bed's replica takes 64 at once (deploy/config.sim.yaml)
 SLOW = 20.0  # times the timing model's step: answers still run while the test acts
@@ -37,16 +38,19 @@ def request(stream_id: str, model: str, tokens: int, **fields) -> pb.StreamReque
 
 async def test_64_requests_on_one_call_each_deliver_their_tokens_and_one_final_interleaved(bed, stub):
     """64 requests of different lengths on one call each deliver exactly their ``max_tokens`` and
-    one final response, their responses interleaved; an invalid request among them gets its own
-    INVALID_ARGUMENT final, a second request under a running id is rejected, and the call ends OK
-    once the client half-closed."""
+    one final response, their responses interleaved; an invalid request on the same call gets its
+    own INVALID_ARGUMENT final, a second request under a running id is rejected, and the call ends
+    OK once the client half-closed."""
     call = Multiplexed(stub)
+    # The invalid request first, its final awaited: it holds one of the replica's 64 places from its
+    # arrival until it is refused (sent after the 64, it found them all held on a busy machine: 429).
+    await call.send(request("bad", bed.app.model, 4, temperature=5))
+    await wait_until(lambda: call.of("bad"), 30, "the invalid request's final")
     lengths = {f"r{n}": 8 + n % 5 * 4 for n in range(REQUESTS)} | {"r0": 100}
     for stream_id, tokens in lengths.items():
         await call.send(request(stream_id, bed.app.model, tokens))
         if stream_id == "r0":  # (it runs for a while: 100 tokens)
             await call.send(request("r0", bed.app.model, 4))
-    await call.send(request("bad", bed.app.model, 4, temperature=5))
     code, details = await call.close()
     assert code == grpc.StatusCode.OK, details
     for stream_id, tokens in lengths.items():
