@@ -9,17 +9,15 @@ suite, with the unit tests (docs/testing.md).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from tests.e2e.harness.apps import application, suite_config
 from tests.e2e.harness.conversations import check_turns
-from tests.e2e.harness.ray_cluster import RayCluster, free_port
-from tests.e2e.harness.serve_run import start_serve_run, stop, wait_until_healthy
+from tests.e2e.harness.ray_cluster import free_port
+from tests.e2e.harness.serve_run import serve_run_alone
 from tools.local_redis import LocalRedis
 
 pytestmark = pytest.mark.own_cluster
@@ -37,21 +35,8 @@ def bare_serve_run(tmp_path_factory) -> Iterator[str]:
         port, grpc_port = free_port(), free_port()
         suite = suite_config(port, grpc_port, redis.env(), workdir)
         prefix = application(suite, "prefix")
-        config_path, log_path = workdir / "config.yaml", workdir / "serve.log"
-        config_path.write_text(yaml.safe_dump(suite | {"applications": [prefix]}, sort_keys=False))
-        url = f"http://127.0.0.1:{port}{prefix['route_prefix']}"
-        # Ray's defaults, but for the node's own drain at its stop (30 s: nothing is left to move by then).
-        cluster = RayCluster(settings={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
-        try:
-            cluster.start()
-            proc = start_serve_run(cluster.address, config_path, log_path, os.environ | cluster.env)
-            try:
-                wait_until_healthy([url], proc, log_path, BARE_START_S)
-                yield url
-            finally:
-                stop(proc)
-        finally:
-            cluster.stop()
+        with serve_run_alone(suite, prefix, workdir, BARE_START_S) as url:
+            yield url
     finally:
         redis.stop()
 

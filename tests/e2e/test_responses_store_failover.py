@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import pytest
 import yaml
 
 from tests.e2e.harness.apps import application, suite_config
-from tests.e2e.harness.ray_cluster import RayCluster, free_port
+from tests.e2e.harness.ray_cluster import free_port
 from tests.e2e.harness.redis_set import RESPONSES_SET, RedisSet
-from tests.e2e.harness.serve_run import start_serve_run, stop, wait_until_healthy
+from tests.e2e.harness.serve_run import serve_run_alone
 from tests.waiting import wait_until, wait_until_blocking
 from tools.local_redis import stored_in_redis
 
@@ -64,20 +63,8 @@ def failover_bed(tmp_path_factory) -> Iterator[tuple[str, RedisSet]]:
         model["deployment"]["num_replicas"] = 1
         model["simulated_engine"] |= {"load_s": 1.0, "step_launch_ms": 50.0}
         prefix["args"]["ingress"]["responses_store"] = store
-        config_path, log_path = workdir / "config.yaml", workdir / "serve.log"
-        config_path.write_text(yaml.safe_dump(suite | {"applications": [prefix]}, sort_keys=False))
-        url = f"http://127.0.0.1:{port}{prefix['route_prefix']}"
-        cluster = RayCluster(settings={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
-        try:
-            cluster.start()
-            proc = start_serve_run(cluster.address, config_path, log_path, os.environ | cluster.env)
-            try:
-                wait_until_healthy([url], proc, log_path, START_S)
-                yield url, redis_set
-            finally:
-                stop(proc)
-        finally:
-            cluster.stop()
+        with serve_run_alone(suite, prefix, workdir, START_S) as url:
+            yield url, redis_set
     finally:
         redis_set.stop()
 

@@ -6,12 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.e2e.harness.apps import REPO
+from tests.e2e.harness.ray_cluster import RayCluster
 from tests.waiting import wait_until_blocking
 
 
@@ -60,3 +65,24 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@contextmanager
+def serve_run_alone(suite: dict[str, Any], app: dict[str, Any], workdir: Path, within_s: float) -> Iterator[str]:
+    """``app`` alone, of the suite's config ``suite``, under a bare ``serve run`` on a Ray cluster of
+    its own (Ray's defaults, but for the node's own drain at its stop: 30 s, and nothing is left to
+    move by then); yields its URL once it is healthy, and stops it all after."""
+    config_path, log_path = workdir / "config.yaml", workdir / "serve.log"
+    config_path.write_text(yaml.safe_dump(suite | {"applications": [app]}, sort_keys=False))
+    url = f"http://127.0.0.1:{suite['http_options']['port']}{app['route_prefix']}"
+    cluster = RayCluster(settings={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+    try:
+        cluster.start()
+        proc = start_serve_run(cluster.address, config_path, log_path, os.environ | cluster.env)
+        try:
+            wait_until_healthy([url], proc, log_path, within_s)
+            yield url
+        finally:
+            stop(proc)
+    finally:
+        cluster.stop()
