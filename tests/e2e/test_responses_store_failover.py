@@ -113,7 +113,12 @@ async def test_a_background_answer_and_two_readers_ride_through_the_loss_of_the_
             async with client.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as got:
                 assert got.status_code == 200
                 await asyncio.wait_for(asyncio.gather(poster, follow("getter", got)), 300)
-        stored = (await client.get(f"/v1/responses/{response_id}")).json()
+
+        async def ended() -> dict | None:  # (its object is kept final just after its last event is logged)
+            stored = (await client.get(f"/v1/responses/{response_id}")).json()
+            return stored if stored["status"] != "in_progress" else None
+
+        stored = await wait_until(ended, 30, "the answer's object kept as it ended")
     for name, datas in read.items():
         assert [data["sequence_number"] for data in datas] == list(range(len(datas))), name
         assert datas[-1]["type"] == "response.incomplete", (name, datas[-1])  # (its whole max_output_tokens)
