@@ -87,7 +87,7 @@ async def _blocks(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def test_a_background_answer_and_two_readers_ride_through_the_loss_of_the_primary(failover_bed):
-    """Pod 0's Redis (the primary) is killed after the first reader's 20th event: the answer's
+    """Pod 0's Redis (the primary) is killed once the first reader has 20 events and the second one: the answer's
     appends, its lease renewals and both readers' reads wait while the Sentinels promote a replica
     (its lease lapses meanwhile: readers give its replica the grace to renew it), then go on; each
     reader gets every event once, in order, to the answer's end (``response.incomplete``: it ran to its
@@ -102,7 +102,7 @@ async def test_a_background_answer_and_two_readers_ride_through_the_loss_of_the_
         async def follow(name: str, response: httpx.Response) -> None:
             async for data in events(response):
                 read[name].append(data)
-                if name == "poster" and len(read[name]) == LOST_AT:
+                if len(read["poster"]) >= LOST_AT and read["getter"] and "redis" in first.processes:
                     redis_set.kill(first, "redis")  # (as a node's loss ends it)
 
         async with client.stream("POST", "/v1/responses", json=body) as posted:
@@ -110,6 +110,7 @@ async def test_a_background_answer_and_two_readers_ride_through_the_loss_of_the_
             poster = asyncio.create_task(follow("poster", posted))
             await wait_until(lambda: read["poster"], 60, "the answer's first event")
             response_id = read["poster"][0]["response"]["id"]
+            # (opened before the loss: a call that needs the store while it is down is a 503 by design)
             async with client.stream("GET", f"/v1/responses/{response_id}", params={"stream": "true"}) as got:
                 assert got.status_code == 200
                 await asyncio.wait_for(asyncio.gather(poster, follow("getter", got)), 300)
