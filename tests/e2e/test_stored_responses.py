@@ -309,7 +309,12 @@ async def test_a_replica_stopped_by_scale_in_finishes_its_background_answers(sto
             return status is not None and status.replica_states.get("STOPPING", 0) == 1
 
         await wait_until(one_stopping, 60, "one replica of prefix stopping")
-    client = sdk(f"{stored.app.url}/v1")
+
+    async def reloaded() -> bool:  # (the suite drains a replica 1 s: HAProxy may still send it requests)
+        return len(await haproxy_servers_up(ray_cluster.haproxy_stats_url, stored.model)) == 1
+
+    await wait_until(reloaded, 60, "HAProxy holding only the replica that stays")
+    client = sdk(f"{stored.app.url}/v1")  # (a connection of the HAProxy that no longer sends to the stopping one)
 
     async def ended() -> list | None:
         found = [await client.responses.retrieve(response_id) for response_id in ids]
