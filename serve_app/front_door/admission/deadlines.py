@@ -94,3 +94,51 @@ async def next_before(responses: AsyncIterator[T], when: float) -> T:
         if timer.expired():
             raise DeadlineExceeded from None
         raise
+
+
+class ItemsBefore:
+    """The items of one async iterator, each before the same point of the loop's clock: what
+    :func:`next_before` does for one item, with one timer for them all (a stream's chunks, read
+    until its end deadline: no timer armed and cancelled per token).
+
+    Call :meth:`next` from one task at a time; :meth:`close` once done. A cancellation the
+    iterator swallowed (vLLM's unary path does) is raised again as the deadline it was."""
+
+    def __init__(self, items: AsyncIterator[T], when: float) -> None:
+        self._items = items
+        self._when = when
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task | None = None  # the task awaiting an item, while it does
+        self._fired = False  # the deadline has passed
+        self._cancelled = False  # ... and it cancelled the task that was waiting
+
+    async def next(self) -> T:
+        """The next item; :class:`DeadlineExceeded` once the deadline has passed."""
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_at(self._when, self._fire)
+        if self._fired:
+            raise DeadlineExceeded
+        task = self._waiting = asyncio.current_task()
+        try:
+            item = await anext(self._items)
+        except asyncio.CancelledError:
+            if self._cancelled and task is not None and task.uncancel() == 0:
+                raise DeadlineExceeded from None  # (only our own timer cancelled it)
+            raise
+        finally:
+            self._waiting = None
+        if self._cancelled:  # the iterator swallowed the cancellation
+            assert task is not None
+            task.uncancel()
+            raise DeadlineExceeded
+        return item
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self) -> None:
+        self._fired = True
+        if self._waiting is not None:
+            self._cancelled = True
+            self._waiting.cancel()

@@ -26,7 +26,7 @@ from typing import Protocol
 from ray.exceptions import TaskCancelledError
 
 from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
-from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, next_before
+from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, ItemsBefore, next_before
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.telemetry.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
@@ -120,13 +120,14 @@ class Generation:
         record = self.record
         charge_at = asyncio.get_running_loop().time() + CHARGE_EVERY_S
         failed = False  # an error event was written: nothing follows it, only the Outcome is still read
+        items = ItemsBefore(rest, self.deadline.end_at)
         try:
             failed = self._ends_in_error(first)
             yield first
             self._events += first.count("data: ")
             while True:
                 try:
-                    chunk = await next_before(rest, self.deadline.end_at)
+                    chunk = await items.next()
                 except StopAsyncIteration:
                     break
                 if isinstance(chunk, Outcome):
@@ -151,6 +152,7 @@ class Generation:
             if not failed:
                 yield self._fail(call_failure(exc))
         finally:
+            items.close()
             self._end()
 
     async def aclose(self) -> None:

@@ -34,23 +34,29 @@ class LocalAnswer:
 
     The generator runs in the caller's task, so a deadline's cancellation lands inside
     it, and vLLM's unary path swallows it (it returns its 400 "Client disconnected"
-    as if the client had left). A cancellation requested while the generator ran is
-    raised again here, so the caller's deadline fires (504) as it does on a handle.
+    as if the client had left). A cancellation requested while the first item was
+    made (a unary answer's only one) is raised again here, so the caller's deadline
+    fires (504) as it does on a handle; a stream's later chunks are read under
+    :class:`~serve_app.front_door.admission.deadlines.ItemsBefore`, which does the same.
     """
 
     def __init__(self, generator: AsyncGenerator[AnswerItem, None]) -> None:
         self._generator = generator
         self._closing: asyncio.Task[None] | None = None
+        self._started = False  # its first item was read
 
     def __aiter__(self) -> LocalAnswer:
         return self
 
     async def __anext__(self) -> AnswerItem:
+        if self._started:
+            return await anext(self._generator)
         task = asyncio.current_task()
         cancelling = task.cancelling() if task is not None else 0
         item = await anext(self._generator)
         if task is not None and task.cancelling() > cancelling:  # cancelled meanwhile, and it was swallowed
             raise asyncio.CancelledError
+        self._started = True
         return item
 
     def cancel(self) -> None:
