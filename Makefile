@@ -21,7 +21,7 @@ CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
 # is the production shape on the simulated engine.
 CONFIG ?= deploy/config.cpu.yaml
 
-.PHONY: install serve test lint unit e2e bench tiny-model servers k8s-sync lock proto clean
+.PHONY: install serve test lint unit e2e bench bench-cost tiny-model servers k8s-sync lock proto clean
 
 install: $(STAMP)
 
@@ -148,6 +148,11 @@ lint: $(PACKAGES)
 # Load benchmark of the app `make serve` runs (start it first, in another terminal).
 bench: install
 	$(BIN)/python -m benchmarks.load --model glm-4-9b-chat --concurrency 1 16 64 --out bench.json --plot bench.png
+
+# The serving layer's cost against vLLM's own front end, three runs in a row on the simulated engine,
+# each side alone (about 5 minutes a run); rewrites docs/performance.md's current-figures table.
+bench-cost: install
+	$(BIN)/python -m benchmarks.cost_record --runs 3 --out-dir bench/cost --docs docs/performance.md
 
 # Write deploy/config.single-gpu.yaml and copy the serve configs into the manifests (a test fails while stale).
 k8s-sync: install

@@ -154,7 +154,7 @@ def process_logging_preserved() -> Iterator[None]:
 def settle_after_start() -> None:
     """As vLLM's server once its engine is up: ``VLLM_*`` variables read once from now on (the output
     processor read one per output per step), and the startup heap frozen: a full collection walked
-    every object the imports made, about 680,000 (0.4 s of stalled loop; docs/performance.md)."""
+    every object the imports made, about 680,000 (0.4 s of stalled loop; docs/performance-history.md)."""
     from vllm import envs
     from vllm.utils.gc_utils import freeze_gc_heap
 

@@ -237,7 +237,7 @@ class IngressConfig(StrictModel):
         "checker process, which is killed at this much CPU time (or ten times it in wall time, if it gets no "
         "CPU) and started again; the request gets a 400 grammar_too_costly naming the parameter. CPU time, not "
         "wall time, so that a busy machine does not refuse ordinary specs. Specs at max_grammar_chars build "
-        "there in at most 0.14 s on a 2-core VM (docs/performance.md).",
+        "there in at most 0.14 s on a 2-core VM (docs/performance-history.md).",
     )
     max_token_list_entries: int = Field(
         default=1024,

@@ -139,7 +139,7 @@ def salted(routing_args: Any, key_id: str) -> Any:
     # a surge Serve stopped it first, and HAProxy had no picker to ask for seconds.
     max_surge_percent=100,
     # No access line per pick: the model replica logs each request, and writing a line was an
-    # eighth of the picker's CPU per request (py-spy, unauthenticated bodies: docs/performance.md).
+    # eighth of the picker's CPU per request (py-spy, unauthenticated bodies: docs/performance-history.md).
     logging_config={"enable_access_log": False},
 )
 @serve.ingress()

@@ -11,7 +11,7 @@ daemon thread, for as long as the process lives; ``set`` only remembers. Ray exp
 was set last at each interval, so a value is exported at most a fifth of an interval later,
 and a change of phase costs the event loop a dict write, not Ray's record (a request moves
 phase 3-4 times: its Ray sets were a tenth of a CPU replica's loop while 600 requests
-arrived, docs/performance.md). A replica that is gone stops reporting, and its series age
+arrived, docs/performance-history.md). A replica that is gone stops reporting, and its series age
 out as before.
 
 Runs in each model replica and each ReplicaPicker replica, a daemon thread in each.

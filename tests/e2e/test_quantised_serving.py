@@ -6,7 +6,7 @@ written by serve_app/ops/quantise_w4a16.py (compressed-tensors W4A16, which vLLM
 with its CPUWNA16 kernels and a GPU with Marlin), with ``kv_cache_dtype: fp8``: on a CPU with
 AVX-512 only (``cpu_runs_4_bit_weights``), where the suite deploys it. FP8 weights
 do not run on vLLM's CPU build (its FP8 quantisation kernels are CUDA's); their timing is the
-simulated engine's (docs/performance.md).
+simulated engine's (docs/performance-history.md).
 """
 
 from __future__ import annotations

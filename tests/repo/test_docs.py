@@ -20,7 +20,7 @@ RUN_BY = {
     ("README.md", "curl -N"): "tests/e2e/test_docs.py",
     ("README.md", "from openai import OpenAI"): "tests/e2e/test_docs.py",
     ("README.md", "import openai"): "tests/e2e/test_docs.py",
-    ("docs/performance.md", ".venv/bin/python -c"): "tests/repo/test_docs.py",
+    ("docs/performance-history.md", ".venv/bin/python -c"): "tests/repo/test_docs.py",
     ("docs/grpc.md", "import asyncio"): "tests/e2e/test_docs.py",
     ("docs/grpc.md", '"""Three haikus'): "tests/e2e/test_docs.py",
 }
@@ -44,8 +44,8 @@ def test_every_block_said_to_be_run_exists(doc, first_line):
 
 
 def test_the_body_check_timing_command_runs():
-    """performance.md's command that times the check of an 8 MB body of brackets."""
-    command = block_starting("docs/performance.md", ".venv/bin/python -c").text
+    """performance-history.md's command that times the check of an 8 MB body of brackets."""
+    command = block_starting("docs/performance-history.md", ".venv/bin/python -c").text
     argv = ["bash", "-c", command.replace(".venv/bin/python", sys.executable, 1)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

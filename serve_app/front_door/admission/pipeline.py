@@ -123,7 +123,7 @@ EXPANDED_FIELD = b'"previous_response_id"'  # only a body naming it is expanded
 BACKGROUND_FIELD = b'"background"'  # only a body naming it may wait for its key's place
 # A Responses body of more JSON objects than this is checked in the checker process, whatever its
 # size: vLLM's model validates each input item, content part and tool in pure Python at tens of
-# microseconds each (docs/performance.md), so 8,000 small items in 240 KB held the event loop
+# microseconds each (docs/performance-history.md), so 8,000 small items in 240 KB held the event loop
 # half a second. Below it, a body's validation holds the loop a few milliseconds at most.
 RESPONSES_OBJECTS_IN_LINE = 128
 

@@ -324,7 +324,7 @@ def test_a_hung_engine_must_be_noticed_before_requests_time_out():
 @pytest.mark.parametrize("config_file", SHIPPED)
 def test_every_shipped_config_caps_serves_router_retry_backoff(config_file):
     """Requests waiting for a full replica retry within 50 ms (Ray's default, 0.5 s, left freed
-    slots empty: docs/performance.md); Serve reads it in the ingress replica's router."""
+    slots empty: docs/performance-history.md); Serve reads it in the ingress replica's router."""
     app = yaml.safe_load((DEPLOY / config_file).read_text())["applications"][0]
     assert app["runtime_env"]["env_vars"]["RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S"] == "0.05"
 
