@@ -15,7 +15,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from serve_app.errors import APIError
 
@@ -96,7 +96,7 @@ async def next_before(responses: AsyncIterator[T], when: float) -> T:
         raise
 
 
-class ItemsBefore:
+class ItemsBefore(Generic[T]):
     """The items of one async iterator, each before the same point of the loop's clock: what
     :func:`next_before` does for one item, with one timer for them all (a stream's chunks, read
     until its end deadline: no timer armed and cancelled per token).

@@ -65,7 +65,7 @@ async def test_a_cancellation_the_iterator_swallows_is_still_the_deadline() -> N
 
 async def test_a_cancellation_from_elsewhere_is_a_cancellation_not_the_deadline() -> None:
     items = ItemsBefore(paced([60]), soon(30))
-    reader = asyncio.create_task(items.next())
+    reader: asyncio.Task[int] = asyncio.create_task(items.next())
     await asyncio.sleep(0.01)
     reader.cancel()  # (the client left)
     with pytest.raises(asyncio.CancelledError):
