@@ -17,6 +17,7 @@ gRPC methods (named as the RPCs) to the gRPC door, the engine's methods (``chat`
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,7 @@ from starlette.applications import Starlette
 
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.engine.server import EngineServer
+from serve_app.engine.stream_transforms import coalesce
 from serve_app.front_door.admission.auth import load_api_keys
 from serve_app.front_door.admission.capacity import FairShare, GenerationSlots
 from serve_app.front_door.admission.endpoints import default_endpoints
@@ -190,21 +192,26 @@ class ModelServer:
     # The engine, called through handles: by another replica's front door (this replica answers
     # in its place, or the picker named it), by operators and tests, and by Serve's health check.
 
+    # Each item is a message between actors here: chunks already waiting go out as one (coalesce).
+
     async def chat(self, request: Any, trace_context: dict[str, str] | None = None) -> AsyncGenerator[AnswerItem, None]:
-        async for item in self.engine.chat(request, trace_context):
-            yield item
+        async with aclosing(coalesce(self.engine.chat(request, trace_context))) as items:
+            async for item in items:
+                yield item
 
     async def completion(
         self, request: Any, trace_context: dict[str, str] | None = None
     ) -> AsyncGenerator[AnswerItem, None]:
-        async for item in self.engine.completion(request, trace_context):
-            yield item
+        async with aclosing(coalesce(self.engine.completion(request, trace_context))) as items:
+            async for item in items:
+                yield item
 
     async def responses(
         self, request: Any, trace_context: dict[str, str] | None = None
     ) -> AsyncGenerator[AnswerItem, None]:
-        async for item in self.engine.responses(request, trace_context):
-            yield item
+        async with aclosing(coalesce(self.engine.responses(request, trace_context))) as items:
+            async for item in items:
+                yield item
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +101,7 @@ class ResponsesStream:
     echo: ResponseEcho | None = None
     outcome: Outcome | None = None
 
-    async def frames(self, events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def frames(self, events: AsyncIterator[Any]) -> AsyncGenerator[str, None]:
         sequence_number = -1
         try:
             async for event in events:

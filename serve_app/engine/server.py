@@ -27,12 +27,7 @@ from serve_app.config import ModelConfig, PromptLogprobsConfig
 from serve_app.engine.build import build_engine, engine_config, serving_state
 from serve_app.engine.engine_watch import EngineProgress, EngineWatch
 from serve_app.engine.responses_stream import ResponseEcho, ResponsesStream, StreamBatchingEngine, response_outcome
-from serve_app.engine.stream_transforms import (
-    OutcomeTap,
-    coalesce,
-    end_on_error_event,
-    normalize_error_event,
-)
+from serve_app.engine.stream_transforms import OutcomeTap, end_on_error_event, normalize_error_event
 from serve_app.errors import ENGINE_FAILED, UNAVAILABLE, sse_error_event
 from serve_app.observability import tracing
 from serve_app.observability.engine_metrics import engine_stat_logger, report_engine_info
@@ -196,7 +191,7 @@ class EngineServer:
             else:
                 assert tap is not None
                 events = tap.tap(end_on_error_event(result, rewrite=self._error_event))
-            async with aclosing(coalesce(events)) as stream:
+            async with aclosing(events) as stream:
                 first = await anext(stream, None)
                 if first is not None and is_error_event(first) and self.watch.failed:
                     yield _engine_failed()  # before the first token: still a status, not a stream

@@ -1,9 +1,9 @@
 """Transforms of a vLLM SSE stream inside the model replica, before it goes to the front door.
 
-Each generator item is one message between Ray actors, and messages, not bytes,
-are what cost. :func:`coalesce` therefore joins chunks that are *already
-waiting* into one item, and never waits for more: the first token leaves as soon
-as it exists, and under load several tokens share a message.
+Through a Serve handle each generator item is one message between Ray actors, and messages,
+not bytes, are what cost: :func:`coalesce` joins chunks that are *already waiting* into one
+item, and never waits for more (the first token leaves as soon as it exists, and under load
+several tokens share a message).
 :func:`end_on_error_event` makes an error event the stream's last, in the OpenAI
 shape; :class:`OutcomeTap` reads how the stream ended as it passes.
 
@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from serve_app.errors import error_body
-from serve_app.protocol import Outcome, empty_kind, is_error_event
+from serve_app.protocol import AnswerItem, Outcome, empty_kind, is_error_event
 
 
 class _End:
@@ -34,20 +34,24 @@ class _Failure:
     exc: BaseException
 
 
-async def coalesce(chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
-    """Yield every chunk of ``chunks``; chunks that are already waiting go out as one.
+async def coalesce(items: AsyncIterator[AnswerItem]) -> AsyncGenerator[AnswerItem, None]:
+    """Yield every item of ``items``; SSE chunks that are already waiting go out as one (any other
+    item, a whole answer or an outcome, goes out as it is, in its place).
 
-    A pump task reads ``chunks`` into a queue; each time the consumer asks, it
+    For an answer read through a Serve handle (another replica's front door), where each item is
+    a message between Ray actors; the front door beside the engine reads the engine's items as
+    they come (vLLM's own output queue already merges what a slow reader has not taken).
+    A pump task reads ``items`` into a queue; each time the consumer asks, it
     gets everything queued so far, joined. No timer is involved. Closing this
     generator (the client left) cancels the pump, which cancels the upstream
     generator and so aborts the engine request.
     """
-    queue: asyncio.Queue[str | _End | _Failure] = asyncio.Queue()
+    queue: asyncio.Queue[AnswerItem | _End | _Failure] = asyncio.Queue()
 
     async def pump() -> None:
         try:
-            async for chunk in chunks:
-                queue.put_nowait(chunk)
+            async for item in items:
+                queue.put_nowait(item)
         except Exception as exc:  # delivered to the consumer, which re-raises it
             queue.put_nowait(_Failure(exc))
         finally:
@@ -59,19 +63,24 @@ async def coalesce(chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
             item = await queue.get()
             batch: list[str] = []
             while True:
-                if isinstance(item, _End):
+                if isinstance(item, _End | _Failure):
                     if batch:
                         yield "".join(batch)
+                    if isinstance(item, _Failure):
+                        raise item.exc
                     return
-                if isinstance(item, _Failure):
+                if isinstance(item, str):
+                    batch.append(item)
+                else:
                     if batch:
                         yield "".join(batch)
-                    raise item.exc
-                batch.append(item)
+                        batch = []
+                    yield item
                 if queue.empty():
                     break
                 item = queue.get_nowait()
-            yield "".join(batch)
+            if batch:
+                yield "".join(batch)
     finally:
         if not task.done():
             task.cancel()
@@ -137,7 +146,7 @@ class OutcomeTap:
     called_tool: bool = False
     wrote_arguments: bool = False
 
-    async def tap(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def tap(self, chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
         async for chunk in chunks:
             if not self.wrote_text and _TEXT.search(chunk):
                 self.wrote_text = True

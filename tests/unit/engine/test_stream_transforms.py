@@ -10,7 +10,7 @@ from serve_app.engine.stream_transforms import (
     end_on_error_event,
     normalize_error_event,
 )
-from serve_app.protocol import DONE_EVENT
+from serve_app.protocol import DONE_EVENT, Outcome
 
 
 async def collect(agen):
@@ -25,6 +25,12 @@ async def from_list(items):
 async def test_chunks_already_waiting_go_out_as_one():
     # A producer that never awaits between chunks: all are waiting when asked for.
     assert await collect(coalesce(from_list(["a", "b", "c"]))) == ["abc"]
+
+
+async def test_an_item_that_is_not_a_chunk_goes_out_as_it_is_in_its_place():
+    # (an answer read through a handle ends with its Outcome, after its last chunks)
+    outcome = Outcome(3, 2, ("stop",), None)
+    assert await collect(coalesce(from_list(["a", "b", outcome, "c"]))) == ["ab", outcome, "c"]
 
 
 async def test_first_chunk_is_not_held_back_for_later_ones():
