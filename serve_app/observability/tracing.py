@@ -16,6 +16,7 @@ Runs in each model replica: the front door opens a request's span, the engine it
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -82,7 +83,10 @@ def configure_tracing(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
+    """This process's tracer, got once (a provider set later is still used: OpenTelemetry's proxy
+    tracer forwards to it), not per request."""
     return trace.get_tracer(TRACER_NAME)
 
 
