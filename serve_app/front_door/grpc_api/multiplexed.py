@@ -8,7 +8,10 @@ another (what a request is and how it is answered, the service's :class:`Request
 the same admission and pipeline as a call of its own). Every response goes through one
 buffer that the call's writer empties; at most ``max_buffered_responses`` wait in it, and a
 request with a response to write past that waits (and so does the reader, which stops taking
-new messages: gRPC's flow control then holds the client back). At most
+new messages: gRPC's flow control then holds the client back). A request has at most one
+response in the buffer and reads its next only once the writer took it, as a call of its own
+waits for each write: meanwhile vLLM merges the tokens it makes into one output, so a busy call
+writes fewer, fuller responses (read at once, every token was a response). At most
 ``max_requests_at_once`` run; one more is answered RESOURCE_EXHAUSTED alone.
 
 The call ends once the client half-closed and every request's final response was written.
@@ -70,7 +73,8 @@ class MultiplexedCall:
         self.limits = limits
         self._running: dict[str, asyncio.Task[None]] = {}
         self._cancelling: set[asyncio.Task[None]] = set()
-        self._buffer: asyncio.Queue[pb.StreamResponse | None] = asyncio.Queue()
+        # (a response, and what to tell once the writer took it; None ends the call)
+        self._buffer: asyncio.Queue[tuple[pb.StreamResponse, asyncio.Event | None] | None] = asyncio.Queue()
         self._space = asyncio.Semaphore(limits.max_buffered_responses)
         self._reading = True
         self._heard = asyncio.Event()  # set by each message and each request's end: the call is not idle
@@ -81,9 +85,12 @@ class MultiplexedCall:
         reader = asyncio.create_task(self._read(requests), name="stream reader")
         watch = asyncio.create_task(self._end_when_idle(), name="stream idle watch")
         try:
-            while (response := await self._buffer.get()) is not None:
+            while (buffered := await self._buffer.get()) is not None:
                 self._space.release()
+                response, taken = buffered
                 yield response
+                if taken is not None:
+                    taken.set()
         finally:  # ended, or the call was cancelled: nothing of it runs on
             tasks = [reader, watch, *self._running.values()]
             for task in tasks:
@@ -159,11 +166,16 @@ class MultiplexedCall:
     async def _run(self, stream_id: str, kind: str, request: Message, store: bool) -> None:
         index = 0
         writing: pb.StreamResponse | None = None  # a response not yet in the buffer
+        taken = asyncio.Event()  # the writer took this request's last response
         try:
             async with contextlib.aclosing(self.runner.run(kind, request, stream_id, store)) as responses:
                 async for writing in responses:
-                    await self._emit(writing)
+                    taken.clear()
+                    await self._emit(writing, taken)
+                    final = getattr(writing, kind).final
                     index, writing = index + 1, None
+                    if not final:
+                        await taken.wait()  # (the next is read once this one is written)
         except asyncio.CancelledError:
             if asyncio.current_task() not in self._cancelling:
                 raise  # the call ended: no one reads a final response
@@ -188,6 +200,6 @@ class MultiplexedCall:
     async def _reject(self, stream_id: str, error: APIError) -> None:
         await self._emit(pb.StreamResponse(id=stream_id, rejected=error_message(error)))
 
-    async def _emit(self, response: pb.StreamResponse) -> None:
+    async def _emit(self, response: pb.StreamResponse, taken: asyncio.Event | None = None) -> None:
         await self._space.acquire()
-        self._buffer.put_nowait(response)
+        self._buffer.put_nowait((response, taken))

@@ -40,7 +40,7 @@ class Runner:
                 final = index == tokens - 1
                 yield wrap(stream_id, kind, index, pb.ChatCompletionResponse(completion_tokens=index + 1, final=final))
                 await asyncio.sleep(0)  # (others interleave)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # (closed mid-answer: the real runner aborts it)
             self.cancelled.append(stream_id)
             raise
 
@@ -220,3 +220,28 @@ async def test_a_call_idle_past_its_idle_time_ends_and_one_running_a_request_doe
 def test_the_bounds_must_be_positive(bad):
     with pytest.raises(ValueError):
         GRPCStreamConfig(max_requests_at_once=bad)
+
+
+async def test_a_request_reads_its_next_response_only_once_the_writer_took_the_last():
+    """As a call of its own waits for each write: what the engine makes meanwhile is merged into
+    its next output, not queued a response per token."""
+    asked: list[int] = []  # how many responses the request had been asked for, as the writer took one
+
+    class Counting(Runner):
+        async def run(
+            self, kind: str, request: Message, stream_id: str, store: bool
+        ) -> AsyncGenerator[pb.StreamResponse, None]:
+            async for response in super().run(kind, request, stream_id, store):
+                asked.append(response.chat.completion_tokens)
+                yield response
+
+    runner, client = Counting(), Client()
+    client.send(chat("r", tokens=6))
+    client.half_close()
+    taken = []
+    async for response in MultiplexedCall(runner, GRPCStreamConfig()).responses(client.messages()):
+        for _ in range(20):  # a slow writer: the request has every chance to read ahead
+            await asyncio.sleep(0)
+        taken.append(response.chat.completion_tokens)
+        assert len(asked) == len(taken), (asked, taken)  # none read past the one written
+    assert taken == [1, 2, 3, 4, 5, 6]
