@@ -8,15 +8,19 @@ one replica of each deployment: ``benchmarks.servers.this_app``), from one serve
 prompt tokens and 256 streamed output tokens (``ignore_eos``), as ``benchmarks.serving_overhead``
 measures it:
 
-- vLLM and the app over HTTP at 1 and 64 concurrent streams;
+- vLLM and the app over HTTP at 1 and 64 concurrent streams, then vLLM's own ``/v1/responses`` at 64;
 - then, on the same running app, at 64: ``/v1/responses``, the gRPC API with a call per request,
-  and every request in flight on one multiplexed ``Stream`` call.
+  and every request in flight on one multiplexed ``Stream`` call; and chat at 1 and 64 sent to the
+  model replica's own HTTP port, past Serve's HAProxy and the ReplicaPicker (the port read as
+  ``benchmarks.first_token_path`` reads it).
 
 Ratios, each against its target (:data:`TARGETS`): first token p50 at 64 streams, app / vLLM; CPU
 seconds per 1,000 delivered tokens at 64 (every process of the app, then its model replica alone) /
 vLLM's one process; the first token at one stream, app - vLLM in ms; the model replica's CPU per
 token on one ``Stream`` call / a call each; ``/v1/responses`` / chat on both figures at 64. This
-machine is noisy, so the sides are compared within one run, never across runs. A benchmark: it
+machine is noisy, so the sides are compared within one run, never across runs. Reference figures
+(:data:`REFERENCES`, no target) split them: the first token at the replica's own port against
+vLLM's (the replica alone), and vLLM's own ``/v1/responses`` against its chat. A benchmark: it
 reports, it asserts nothing. ``--docs`` rewrites the current-figures table of docs/performance.md.
 """
 
@@ -30,6 +34,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +42,7 @@ from typing import Any
 import yaml
 
 from benchmarks.client import Workload
+from benchmarks.first_token_path import newest_haproxy_files, replica_port
 from benchmarks.load import Load, client_pool
 from benchmarks.servers import app_entry, running, simulated_vllm, this_app
 from benchmarks.serving_overhead import allowed_tokens_per_s, level_at, measure_levels
@@ -67,6 +73,27 @@ TARGET_TEXT = {
     "responses_cpu": "<= 1.05",
 }
 
+# Figures that say where a ratio's cost lies; no target. name: (what it is, its unit)
+REFERENCES: dict[str, tuple[str, str]] = {
+    "replica_ttft_64": ("first token p50 at 64, at the model replica's own port / vLLM", "x"),
+    "replica_ttft_1_ms": ("first token p50 at 1 stream, at the model replica's own port - vLLM", "ms"),
+    "vllm_responses_ttft": ("vLLM's own: first token p50 at 64, /v1/responses / chat", "x"),
+    "vllm_responses_cpu": ("vLLM's own: CPU s per 1k tokens at 64, /v1/responses / chat", "x"),
+}
+
+
+def references(vllm: dict[str, dict[str, Any]], app: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each figure of :data:`REFERENCES` from one run's levels (``vllm``: chat, responses; ``app``:
+    as :func:`ratios` reads it, and replica: chat at the model replica's own port)."""
+    chat, responses = level_at(vllm["chat"], STREAMS), level_at(vllm["responses"], STREAMS)
+    return {
+        "replica_ttft_64": level_at(app["replica"], STREAMS)["ttft_ms"]["p50"] / chat["ttft_ms"]["p50"],
+        "replica_ttft_1_ms": level_at(app["replica"], 1)["ttft_ms"]["p50"]
+        - level_at(vllm["chat"], 1)["ttft_ms"]["p50"],
+        "vllm_responses_ttft": responses["ttft_ms"]["p50"] / chat["ttft_ms"]["p50"],
+        "vllm_responses_cpu": responses["server_cpu_s_per_1k_tokens"] / chat["server_cpu_s_per_1k_tokens"],
+    }
+
 
 def ratios(vllm: dict[str, Any], app: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Each ratio of :data:`TARGETS` from one run's levels (``app``: by side: chat, responses, grpc, grpc-stream)."""
@@ -87,10 +114,11 @@ def ratios(vllm: dict[str, Any], app: dict[str, dict[str, Any]]) -> dict[str, fl
 
 
 def one_run(config: dict[str, Any], logs: Path, requests_at_1: int) -> dict[str, Any]:
-    """vLLM's side, then the app's four; each side's levels and the run's ratios."""
+    """vLLM's two sides, then the app's five; each side's levels, the run's ratios and references."""
     _, entry = app_entry(config, None)
     settings = SimulatedEngineConfig.model_validate(sized_for(entry["simulated_engine"] or {}, entry["engine_args"]))
     chat = Workload(entry["name"], 32, 256, "chat")
+    responses = Workload(chat.model, 32, 256, "responses")
 
     def allowed(streams: int) -> float:
         return allowed_tokens_per_s(settings, entry["engine_args"]["max_num_seqs"], streams, chat)
@@ -100,14 +128,16 @@ def one_run(config: dict[str, Any], logs: Path, requests_at_1: int) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="cost-record-") as tmp:
         workdir = Path(tmp)
         vllm_server = simulated_vllm(config, None, workdir, REPO)
+        vllm = {}
         with running(vllm_server, logs / "vllm.log") as process:
-            vllm = asyncio.run(
-                measure_levels(client_pool("http", vllm_server.url, "", None), process.pid, chat, both, allowed)
-            )
+            for name, workload, loads in (("chat", chat, both), ("responses", responses, at_64)):
+                clients = client_pool("http", vllm_server.url, "", None)
+                vllm[name] = asyncio.run(measure_levels(clients, process.pid, workload, loads, allowed))
         app_server = this_app(config, None, workdir, REPO)
+        started_at = time.time()
         sides = [
             ("chat", "http", chat, both),
-            ("responses", "http", Workload(chat.model, 32, 256, "responses"), at_64),
+            ("responses", "http", responses, at_64),
             ("grpc", "grpc", chat, at_64),
             ("grpc-stream", "grpc-stream", chat, at_64),
         ]
@@ -116,7 +146,17 @@ def one_run(config: dict[str, Any], logs: Path, requests_at_1: int) -> dict[str,
             for name, protocol, workload, loads in sides:
                 clients = client_pool(protocol, app_server.url, app_server.grpc_target or "", None)
                 app[name] = asyncio.run(measure_levels(clients, process.pid, workload, loads, allowed))
-    return {"vllm": vllm, "app": app, "ratios": ratios(vllm, app)}
+            replica = f"http://127.0.0.1:{replica_port(newest_haproxy_files(started_at)[0])}"
+            app["replica"] = asyncio.run(
+                measure_levels(client_pool("http", replica, "", None), process.pid, chat, both, allowed)
+            )
+    return {
+        "vllm": vllm["chat"],
+        "vllm_responses": vllm["responses"],
+        "app": app,
+        "ratios": ratios(vllm["chat"], app),
+        "references": references(vllm, app),
+    }
 
 
 def machine() -> str:
@@ -153,6 +193,18 @@ def table(runs: list[dict[str, Any]], header: dict[str, str]) -> str:
             f"| {what} | "
             + " | ".join(shown)
             + f" | {TARGET_TEXT[name]} | {'yes' if all(map(met, values)) else 'no'} |"
+        )
+    lines += [
+        "",
+        "Where the cost lies (no target):",
+        "",
+        "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
+    ]
+    lines += ["|---|" + "---:|" * len(runs)]
+    for name, (what, unit) in REFERENCES.items():
+        values = [run["references"][name] for run in runs]
+        lines.append(
+            f"| {what} | " + " | ".join(f"{v:+.1f} ms" if unit == "ms" else f"{v:.2f}x" for v in values) + " |"
         )
     lines += [
         "",

@@ -1,9 +1,10 @@
-"""Where one stream's first token spends its time on the direct path: HAProxy and the picker, or the replica.
+"""Where the first token spends its time on the direct path: HAProxy and the picker, or the replica.
 
-    python -m benchmarks.first_token_path --config deploy/config.sim.yaml
+    python -m benchmarks.first_token_path --config deploy/config.sim.yaml [--endpoint chat] [--concurrency 64]
 
 Starts this app as ``benchmarks.serving_overhead`` does (one model replica, simulated
-engine, Serve's cluster settings), then, one request at a time, in rounds that alternate:
+engine, Serve's cluster settings), then, one request at a time (or ``--concurrency`` streams
+at once on the first two paths), in rounds that alternate:
 
 1. time to first token through Serve's HAProxy (HTTP port): HAProxy asks the ReplicaPicker
    where to send the request, then forwards it to the model replica's own HTTP server;
@@ -79,10 +80,10 @@ def picker_port(lua_script: str) -> int:
     return int(ports[0])
 
 
-async def first_tokens_ms(url: str, workload: Workload, requests: int) -> list[float]:
+async def first_tokens_ms(url: str, workload: Workload, requests: int, concurrency: int = 1) -> list[float]:
     clients = Clients(url, {})
     try:
-        records = await run_load(clients, workload, Load(requests=requests, concurrency=1))
+        records = await run_load(clients, workload, Load(requests=requests, concurrency=concurrency))
     finally:
         await clients.aclose()
     failed = [r.error for r in records if not r.ok]
@@ -111,14 +112,16 @@ async def picker_answers_ms(port: int, body: dict[str, Any] | None, requests: in
     return times
 
 
-async def measure(url: str, started_at: float, workload: Workload, rounds: int, requests: int) -> dict[str, Any]:
+async def measure(
+    url: str, started_at: float, workload: Workload, rounds: int, requests: int, concurrency: int = 1
+) -> dict[str, Any]:
     haproxy_config, lua_script = newest_haproxy_files(started_at)
     replica = f"http://127.0.0.1:{replica_port(haproxy_config)}"
     picker = picker_port(lua_script)
     await first_tokens_ms(url, workload, 4)  # warm up
     paths: dict[str, Callable[[], Awaitable[list[float]]]] = {
-        "first token through HAProxy": lambda: first_tokens_ms(url, workload, requests),
-        "first token at the replica's own port": lambda: first_tokens_ms(replica, workload, requests),
+        "first token through HAProxy": lambda: first_tokens_ms(url, workload, requests, concurrency),
+        "first token at the replica's own port": lambda: first_tokens_ms(replica, workload, requests, concurrency),
         "picker's answer, with the body": lambda: picker_answers_ms(picker, workload.body(), requests),
         "picker's answer, no body": lambda: picker_answers_ms(picker, None, requests),
     }
@@ -132,7 +135,9 @@ async def measure(url: str, started_at: float, workload: Workload, rounds: int, 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.first_token_path", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "deploy" / "config.sim.yaml")
+    parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions")
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=1, help="streams at once on the first-token paths")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=40, help="per path and round")
     parser.add_argument("--app-env", nargs="+", default=[], metavar="NAME=VALUE")
@@ -140,13 +145,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     _, entry = app_entry(config, None)
-    workload = Workload(entry["name"], 32, args.output_tokens)
+    workload = Workload(entry["name"], 32, args.output_tokens, args.endpoint)
     with tempfile.TemporaryDirectory() as workdir:
         server = this_app(config, None, Path(workdir), REPO)
         server = replace(server, env=server.env | dict(item.split("=", 1) for item in args.app_env))
         started_at = time.time()
         with running(server, Path(workdir) / "app.log"):
-            result = asyncio.run(measure(server.url, started_at, workload, args.rounds, args.requests))
+            result = asyncio.run(
+                measure(server.url, started_at, workload, args.rounds, args.requests, args.concurrency)
+            )
     for name, figures in result.items():
         print(f"{name:40} p50 {figures['p50_ms']:6.2f} ms  ({figures['samples']} samples)")
     if args.out:
