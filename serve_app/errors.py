@@ -66,6 +66,8 @@ UNAVAILABLE = "unavailable"
 """The ``code`` of a refusal before any engine saw the request: safe to send again."""
 ENGINE_FAILED = "engine_failed"
 """The ``code`` of an answer whose engine died while generating it (never retried)."""
+STREAM_STALLED = "stream_stalled"
+"""The ``code`` of a stream that got no token for ``ingress.stream_stall_timeout_s`` while its replica's others did."""
 
 QUOTED_INPUT_CHARS = 100
 

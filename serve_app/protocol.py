@@ -168,3 +168,13 @@ def trailing_error(chunk: str) -> APIError | None:
         return APIError(status_of(error.get("type")), message, error.get("param"), error.get("code"))
     except (ValueError, KeyError, TypeError, AttributeError):
         return APIError(500, "the answer failed", code=None)
+
+
+def error_of(answer: WholeAnswer) -> APIError:
+    """The error a whole answer's JSON body reports (OpenAI's ``{"error": ...}``), under its status."""
+    try:
+        error = json.loads(answer.body)["error"]
+        message = str(error.get("message") or "the answer failed")
+        return APIError(answer.status, message, error.get("param"), error.get("code") or answer.code)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return APIError(answer.status, "the answer failed", code=answer.code)

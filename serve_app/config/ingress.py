@@ -299,6 +299,21 @@ class IngressConfig(StrictModel):
         gt=0,
         description="Longest a stream may wait for its first chunk (queueing and prefill); past it, 504.",
     )
+    sse_keepalive_s: float | None = Field(
+        default=15.0,
+        gt=0,
+        description="A stream with no first chunk after this long (queued, or in a long prefill) gets its "
+        "response's headers and an SSE comment (': keep-alive') this often until it begins, so that "
+        "proxies and clients that cut idle connections keep it; an error before its first token then ends "
+        "it as an error event, not a status. null: the status waits for the first token.",
+    )
+    stream_stall_timeout_s: float | None = Field(
+        default=60.0,
+        gt=0,
+        description="A stream that waits this long for its next token while its replica's other streams "
+        "get theirs is ended with an error event (504 stream_stalled) and its engine request aborted. "
+        "null: no watchdog.",
+    )
     unavailable_retry_s: float = Field(
         default=30.0,
         ge=0,

@@ -6,9 +6,9 @@ application's ingress and the ReplicaPicker is its ingress request router, so ev
 answer here was streamed by a model replica to HAProxy and every POST was routed by the
 picker (HAProxy answers its own 503 page when the picker does not name a replica).
 Checked here: the answers, the errors, a body slower than Serve's default wait, the
-model list, ``/health`` (also while Serve's controller does not answer), the gRPC API, and the
+model list, ``/health`` (also while Serve's controller does not answer), the gRPC API, the
 replica's own queue bound (429 past it, while ``/health`` still answers: it never waits behind
-generation). The hostile table and
+generation), and a stream kept alive through HAProxy until it begins. The hostile table and
 large bodies, through the picker too, are test_hostile.py's (the CPU app streams the same way);
 a replica whose engine died passing requests on is test_faults.py's (on ``prefix``'s two replicas);
 prefix-aware routing is tests/e2e/test_prefix_routing.py's.
@@ -30,9 +30,11 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray.util.state import list_actors
 
+from serve_app.front_door.core.stream_watch import KEEPALIVE
 from serve_app.front_door.grpc_api import generation_pb2 as pb
 from serve_app.front_door.grpc_api import generation_pb2_grpc as pb_grpc
 from serve_app.front_door.telemetry import metrics
+from serve_app.simulated_engine.controls import Control
 from tests.e2e.harness.apps import HEALTH_MAX_AGE_S, QUEUES, TAKES, RunningApp
 from tests.e2e.harness.bodies import LONG, chat, grpc_chat
 from tests.e2e.harness.grpc_calls import Multiplexed, call, channel
@@ -42,7 +44,7 @@ from tests.e2e.harness.serve_state import (
     in_flight,
 )
 from tests.e2e.harness.simulation import SimulatedEngines
-from tests.e2e.harness.sse import post_stream
+from tests.e2e.harness.sse import parse_events, post_stream
 from tests.e2e.harness.telemetry import SCRAPE_EVERY_S, scrape, total
 from tests.hostile_requests import CHAT_PATH
 from tests.waiting import wait_until
@@ -275,3 +277,35 @@ async def test_a_replica_counts_its_places_in_engine_sequences(direct: RunningAp
     assert refused.json()["error"]["code"] == "overloaded"
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     assert [len(a.json()["choices"]) for a in answers] == [3, 1]
+
+
+async def test_a_stream_not_yet_begun_gets_keepalives_through_haproxy_and_ends_when_its_client_leaves(
+    direct: RunningApp,
+) -> None:
+    """With the engine paused, a stream gets its headers and an SSE comment every KEEPALIVE_S (1 s)
+    through HAProxy, then, once the engine runs, its whole answer (which a client reading SSE as
+    OpenAI's SDK does reads past the comments); a second one whose client leaves during its
+    keep-alives leaves the engine."""
+    engines = SimulatedEngines(MODEL)
+    body = chat(direct.model, 4) | {"stream": True}
+    async with httpx.AsyncClient(base_url=direct.url, timeout=60) as client:
+        async with engines.paused(), client.stream("POST", CHAT_PATH, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            received, texts = "", response.aiter_text()
+            async for text in texts:
+                received += text
+                if received.count(KEEPALIVE) >= 2:
+                    break
+            await engines.control_all(Control.RESUME)
+            async for text in texts:
+                received += text
+        async with engines.paused():
+            async with client.stream("POST", CHAT_PATH, json=body) as left:
+                async for text in left.aiter_text():
+                    assert text == KEEPALIVE, text
+                    break  # (the client leaves while the answer has not begun)
+            await engines.wait_until_holding(0)
+    kept, _, answer = received.rpartition(KEEPALIVE)
+    assert set(kept.split("\n\n")) <= {": keep-alive", ""}, received
+    events = parse_events(answer)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length", answer

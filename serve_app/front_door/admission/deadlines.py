@@ -102,43 +102,52 @@ class ItemsBefore(Generic[T]):
     until its end deadline: no timer armed and cancelled per token).
 
     Call :meth:`next` from one task at a time; :meth:`close` once done. A cancellation the
-    iterator swallowed (vLLM's unary path does) is raised again as the deadline it was."""
+    iterator swallowed (vLLM's unary path does) is raised again as the deadline it was.
+    :meth:`interrupt` ends the wait early for another reason (a stalled stream's watchdog)."""
 
     def __init__(self, items: AsyncIterator[T], when: float) -> None:
         self._items = items
         self._when = when
         self._timer: asyncio.TimerHandle | None = None
         self._waiting: asyncio.Task | None = None  # the task awaiting an item, while it does
-        self._fired = False  # the deadline has passed
+        self._reason: type[Exception] | None = None  # why the items ended early (the deadline passed, ...)
         self._cancelled = False  # ... and it cancelled the task that was waiting
 
     async def next(self) -> T:
-        """The next item; :class:`DeadlineExceeded` once the deadline has passed."""
+        """The next item; :class:`DeadlineExceeded` once the deadline has passed (or the
+        exception :meth:`interrupt` was given)."""
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_at(self._when, self._fire)
-        if self._fired:
-            raise DeadlineExceeded
+        if self._reason is not None:
+            raise self._reason
         task = self._waiting = asyncio.current_task()
         try:
             item = await anext(self._items)
         except asyncio.CancelledError:
             if self._cancelled and task is not None and task.uncancel() == 0:
-                raise DeadlineExceeded from None  # (only our own timer cancelled it)
+                assert self._reason is not None
+                raise self._reason from None  # (only our own interruption cancelled it)
             raise
         finally:
             self._waiting = None
         if self._cancelled:  # the iterator swallowed the cancellation
-            assert task is not None
+            assert task is not None and self._reason is not None
             task.uncancel()
-            raise DeadlineExceeded
+            raise self._reason
         return item
+
+    def interrupt(self, reason: type[Exception]) -> None:
+        """End the items now: the waiting :meth:`next` (or the next one) raises ``reason``."""
+        if self._reason is not None:
+            return
+        self._reason = reason
+        if self._waiting is not None:
+            self._cancelled = True
+            self._waiting.cancel()
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
 
     def _fire(self) -> None:
-        self._fired = True
-        if self._waiting is not None:
-            self._cancelled = True
-            self._waiting.cancel()
+        self.interrupt(DeadlineExceeded)

@@ -26,6 +26,8 @@ class IngressSettings:
     # How long a request that no replica has started is sent again while replicas
     # answer "unavailable" (an engine died, a replica is going away).
     unavailable_retry_s: float = 30.0
+    sse_keepalive_s: float | None = None  # a stream not yet begun gets a keep-alive this often (None: never)
+    stream_stall_timeout_s: float | None = None  # the stall watchdog's bound (None: no watchdog)
     isolate_prefix_cache: bool = False  # each key's prompts cached apart (serve_app.front_door.admission.cache_salt)
     cors: CORSConfig | None = None  # None: no cross-origin requests from browsers
     grpc_stream: GRPCStreamConfig = GRPCStreamConfig()  # the bounds of a multiplexed gRPC call
@@ -45,6 +47,8 @@ def ingress_settings(config: AppConfig) -> IngressSettings:
             first_token_timeout_s=config.ingress.first_token_timeout_s,
         ),
         unavailable_retry_s=config.ingress.unavailable_retry_s,
+        sse_keepalive_s=config.ingress.sse_keepalive_s,
+        stream_stall_timeout_s=config.ingress.stream_stall_timeout_s,
         cors=config.ingress.cors,
         grpc_stream=config.ingress.grpc_stream,
         open_calls=config.ingress.open_calls,

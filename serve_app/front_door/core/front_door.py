@@ -35,6 +35,7 @@ from serve_app.front_door.admission.settings import IngressSettings
 from serve_app.front_door.core.generation import ErrorEvent, Generation, chat_error_event
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
+from serve_app.front_door.core.stream_watch import StallWatch
 from serve_app.front_door.telemetry.record import Observer, RequestObserver, RequestRecord
 from serve_app.front_door.telemetry.request_log import log_request
 from serve_app.protocol import with_priority
@@ -59,6 +60,7 @@ class FrontDoor:
         self.metrics = metrics
         self.stored = stored
         self.open_calls = OpenCalls(rules.settings.open_calls)
+        self.stall_watch = StallWatch(rules.settings.stream_stall_timeout_s)  # every stream of this replica
         self._permits = 0  # permits not closed: the requests and answers under way here
         if stored is not None:
             stored.background.permits = self.permit_now
@@ -122,6 +124,7 @@ class FrontDoor:
             permit,
             self.settings.unavailable_retry_s,
             error_event,
+            self.stall_watch,
         )
 
     async def permit_now(self, key_id: str | None, sequences: int) -> Permit:

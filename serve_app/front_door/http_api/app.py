@@ -92,11 +92,12 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     generation = core.generate(
         permit, admitted, endpoint.method, deadline, record, stored_routes.error_event_of(endpoint)
     )
-    return answer(await generation.start(), generation)
+    return answer(await generation.begin(core.settings.sse_keepalive_s), generation)
 
 
-def answer(first: WholeAnswer | str, generation: Generation) -> Response:
-    """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE."""
+def answer(first: WholeAnswer | str | None, generation: Generation) -> Response:
+    """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE
+    (``first`` None: a stream that has not begun yet, kept alive until it has)."""
     if isinstance(first, WholeAnswer):
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None

@@ -72,7 +72,7 @@ class ObserveRequests:
                     record.status = message["status"]
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                if body and record.first_byte_at is None:
+                if body and record.first_byte_at is None and not body.startswith(b":"):  # (a keep-alive)
                     record.first_byte_at = time.monotonic()
                 if record.log_content and body:
                     record.response_bytes.append(body)

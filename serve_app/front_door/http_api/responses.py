@@ -56,7 +56,7 @@ from serve_app.front_door.core.generation import ErrorEvent, Generation, chat_er
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
 from serve_app.front_door.telemetry.record import RequestRecord
-from serve_app.protocol import streamed
+from serve_app.protocol import WholeAnswer, streamed
 
 logger = logging.getLogger("ray.serve")
 
@@ -100,8 +100,8 @@ async def create(
             logger.warning("response %s answered and not stored: %s", admitted.payload.request_id, down.message)
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
-    first = await generation.start()
-    if isinstance(first, str):
+    first = await generation.begin(core.settings.sse_keepalive_s)
+    if not isinstance(first, WholeAnswer):  # a stream, begun or kept alive until it has
         frames = stored_at_end(generation, save)
         return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
     if first.status == 200:

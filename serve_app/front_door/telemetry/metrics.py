@@ -21,7 +21,7 @@ from collections import Counter as Tally
 from collections.abc import Sequence
 from typing import Any
 
-from serve_app.errors import ENGINE_FAILED
+from serve_app.errors import ENGINE_FAILED, STREAM_STALLED
 from serve_app.front_door.telemetry.record import GRAMMAR_OUTCOMES, Phase, RequestRecord
 from serve_app.observability.gauges import RefreshedGauges, refreshed_gauges
 from serve_app.protocol import EMPTY_CONTENT, EMPTY_TOOL_ARGUMENTS
@@ -39,6 +39,8 @@ ABORTED = "glm4_serve_aborted_requests"
 ENGINE_FAILURES = "glm4_serve_engine_failures"
 EMPTY_ANSWERS = "glm4_serve_empty_answers"
 GRAMMAR_BUILDS = "glm4_serve_grammar_builds"
+KEEPALIVES = "glm4_serve_keepalives"
+STALLED_STREAMS = "glm4_serve_stalled_streams"
 QUEUED = "glm4_serve_requests_queued"
 RUNNING = "glm4_serve_requests_running"
 
@@ -126,6 +128,17 @@ class ServingMetrics:
             " limits, a bad body) has none.",
             tag_keys=("model", "protocol", "outcome"),
         )
+        self.keepalives = Counter(
+            KEEPALIVES,
+            "SSE keep-alive comments sent to streams whose answer had not begun (ingress.sse_keepalive_s).",
+            tag_keys=model,
+        )
+        self.stalled_streams = Counter(
+            STALLED_STREAMS,
+            "Streams the stall watchdog ended: no token for ingress.stream_stall_timeout_s while the"
+            " replica's other streams got theirs.",
+            tag_keys=model,
+        )
         # The gauges are the model's load, whichever protocol brought it: by model only.
         by_model = ("model",)
         self.queued = Gauge(QUEUED, "Requests sent to a model replica that have no first token yet.", tag_keys=by_model)
@@ -141,6 +154,8 @@ class ServingMetrics:
                 (self.prompt_tokens, of_model),
                 (self.completion_tokens, of_model),
                 (self.engine_failures, of_model),
+                (self.keepalives, of_model),
+                (self.stalled_streams, of_model),
                 (self.rejected, of_model | {"reason": "overloaded"}),
                 (self.rejected, of_model | {"reason": "rate_limit_exceeded"}),
                 (self.aborted, of_model | {"phase": "waiting"}),
@@ -184,6 +199,10 @@ class ServingMetrics:
             self.rejected.inc(tags=model | {"reason": record.error_code or "overloaded"})
         if record.error_code == ENGINE_FAILED:
             self.engine_failures.inc(tags=model)
+        elif record.error_code == STREAM_STALLED:
+            self.stalled_streams.inc(tags=model)
+        if record.keepalives:
+            self.keepalives.inc(record.keepalives, tags=model)
         if record.grammar_build is not None:
             self.grammar_builds.inc(tags=model | {"outcome": record.grammar_build})
         if record.aborted:
@@ -213,6 +232,8 @@ def exported_names() -> set[str]:
         ENGINE_FAILURES,
         EMPTY_ANSWERS,
         GRAMMAR_BUILDS,
+        KEEPALIVES,
+        STALLED_STREAMS,
     )
     names = {f"ray_{h}_{suffix}" for h in histograms for suffix in ("bucket", "sum", "count")}
     names |= {f"ray_{c}_total" for c in counters}

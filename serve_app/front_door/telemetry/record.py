@@ -53,6 +53,7 @@ class RequestRecord:
     status: int | None = None
     error_code: str | None = None
     attempts: int = 0  # calls made to model replicas: more than 1 means it was sent again
+    keepalives: int = 0  # SSE comments sent while the answer had not begun (core.stream_watch)
     grammar_build: str | None = None  # its grammar's build: grammar_build.GRAMMAR_BUILT, or its 400's code
     first_byte_at: float | None = None
     ended_at: float | None = None

@@ -120,6 +120,8 @@ TAKES, QUEUES = 2, 2
 # How long ``direct``'s replicas take Serve's controller's silence before answering /health for
 # themselves (production: 30 s; the test stops the controller this long and a little more).
 HEALTH_MAX_AGE_S = 3.0
+# ``direct``'s streams not yet begun get a keep-alive this often (shipped: 15 s), so that a test sees a few.
+KEEPALIVE_S = 1.0
 # Serve's production drain of a stopping HAProxy-fronted replica (the suite's cluster drains 1 s).
 PRODUCTION_DRAIN_S = 30
 # glm-rollout's limit on a request, and its replicas' graceful stop: long enough for answers that
@@ -202,8 +204,8 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     - ``glm-rollout`` (``/rollout``): the bed with Serve's production drain, SLOWER_STEPS and
       ROLLOUT_ANSWER_S, which the rollout test replaces while streams run (test_rollout);
     - ``direct`` (``/direct``): a model replica taking TAKES requests and queueing QUEUES, and
-      answering ``/health`` for itself HEALTH_MAX_AGE_S after Serve's controller went quiet
-      (test_direct_streaming);
+      answering ``/health`` for itself HEALTH_MAX_AGE_S after Serve's controller went quiet, and
+      keeping a stream that has not begun alive every KEEPALIVE_S (test_direct_streaming);
     - ``prefix`` (``/prefix``): two model replicas, routed by prefix (test_prefix_routing,
       test_simulated_engine; a dead engine's replica in test_direct_streaming), its responses in
       the suite's Redis with STORED's shorter lease and expiry (test_stored_responses, which calls
@@ -243,6 +245,7 @@ def variant_applications(workdir: Path) -> list[dict[str, Any]]:
     (model,) = direct["args"]["models"]
     model["deployment"] |= {"max_ongoing_requests": TAKES, "max_queued_requests": QUEUES}
     direct["args"]["ingress"]["health_max_age_s"] = HEALTH_MAX_AGE_S
+    direct["args"]["ingress"]["sse_keepalive_s"] = KEEPALIVE_S
     prefix = variant("prefix", "/prefix")
     (model,) = prefix["args"]["models"]
     assert model["prefix_routing"]["enabled"]  # the shipped config routes by prefix

@@ -25,10 +25,13 @@ class Stream:
 
 
 def parse_events(text: str) -> list[str]:
-    """Split an SSE body into `data:` payloads; fail on anything OpenAI would not send."""
+    """Split an SSE body into `data:` payloads; fail on anything OpenAI would not send. A comment
+    (`: keep-alive`, sent while an answer has not begun) is skipped, as SSE and OpenAI's SDK skip it."""
     assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-80:]!r}"
     payloads = []
     for block in text[:-2].split("\n\n"):
+        if block == ": keep-alive":
+            continue
         assert block.startswith("data: "), f"not a data event: {block[:80]!r}"
         assert "\n" not in block, f"multi-line event: {block[:80]!r}"
         payloads.append(block[len("data: ") :])

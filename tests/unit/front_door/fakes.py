@@ -33,6 +33,7 @@ CHAT = {"model": "glm-4-9b-chat", "messages": [{"role": "user", "content": "hi"}
 
 HANG = object()  # an item that never arrives: the replica is busy or stuck
 SLOW = object()  # the next item comes after 0.6 s: a long answer under way
+TICK = object()  # the next item comes after 0.02 s: an answer being made
 
 SHORT = TimeLimits(request_timeout_s=0.3, first_token_timeout_s=0.1)  # deadlines a unit test reaches
 
@@ -51,8 +52,8 @@ class FakeResponses:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
-        if item is SLOW:
-            await asyncio.sleep(0.6)
+        if item is SLOW or item is TICK:
+            await asyncio.sleep(0.6 if item is SLOW else 0.02)
             item = self.items.pop(0)
         if item is HANG:
             await asyncio.Event().wait()  # only a deadline ends this wait
@@ -115,6 +116,8 @@ def client_for(
     slots: GenerationSlots | None = None,
     costs: CostLimits | None = None,
     isolate_prefix_cache: bool = False,
+    keepalive_s: float | None = None,
+    stall_s: float | None = None,
 ) -> tuple[TestClient, FakeModel]:
     """A client of the front door's app; its model answers ``items``, and later calls ``then``."""
     handle = FakeModel([items, *then])
@@ -131,6 +134,8 @@ def client_for(
         log_content=log_content,
         costs=costs or CostLimits(),
         isolate_prefix_cache=isolate_prefix_cache,
+        sse_keepalive_s=keepalive_s,
+        stream_stall_timeout_s=stall_s,
     )
     core = FrontDoor(BodyRules(settings, router, key_limits), api_keys=api_keys, slots=slots, metrics=metrics)
     app = build_http_app(core, readiness)

@@ -78,4 +78,20 @@ async def test_closed_its_timer_is_gone_from_the_loop() -> None:
     assert await items.next() == 0
     items.close()
     await asyncio.sleep(0.05)  # past the deadline: nothing fired
-    assert not items._fired
+    assert items._reason is None
+
+
+async def test_an_interruption_ends_the_wait_for_an_item_with_its_reason() -> None:
+    class Stalled(Exception):
+        pass
+
+    items = ItemsBefore(paced([0, 10]), soon(60))
+    assert await items.next() == 0
+    reader = asyncio.ensure_future(items.next())
+    await asyncio.sleep(0.01)
+    items.interrupt(Stalled)
+    with pytest.raises(Stalled):
+        await reader
+    with pytest.raises(Stalled):  # and every read after it
+        await items.next()
+    items.close()
