@@ -153,6 +153,11 @@ class Generation:
         except APIError as error:
             yield self._fail(error)
             return
+        except TaskCancelledError:  # the client left; nobody reads an error event
+            return
+        except Exception as exc:
+            yield self._fail(call_failure(exc))
+            return
         if isinstance(first, WholeAnswer):  # (a stream's whole answer is an error found before any token)
             yield self._fail(error_of(first))
 
