@@ -28,10 +28,10 @@ from ray.exceptions import TaskCancelledError
 from serve_app.errors import UNAVAILABLE, APIError, overloaded, sse_error_event
 from serve_app.front_door.admission.deadlines import Deadline, DeadlineExceeded, ItemsBefore, next_before
 from serve_app.front_door.core.permit import Permit
-from serve_app.front_door.core.stream_watch import KEEPALIVE, StallWatch, StreamStalled, stalled_error
+from serve_app.front_door.core.stream_watch import StallWatch, StreamStalled, stalled_error
 from serve_app.front_door.telemetry.record import Phase, RequestRecord
 from serve_app.observability.tracing import trace_context
-from serve_app.protocol import AnswerItem, GenerationRequest, Outcome, WholeAnswer, error_of, trailing_error
+from serve_app.protocol import AnswerItem, GenerationRequest, Outcome, WholeAnswer, trailing_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,8 +94,6 @@ class Generation:
         self.error: APIError | None = None
         self._first: WholeAnswer | str | None = None
         self._rest: AnswerStream | None = None
-        self._starting: asyncio.Future[WholeAnswer | str] | None = None  # begun by begin(), not yet begun
-        self._keepalive_s = 0.0
         self._events = 0  # events sent (each "data: " line)
         self._ended = False
         permit.answer_end = self._end
@@ -117,59 +115,9 @@ class Generation:
             self._end()
         return self._first
 
-    async def begin(self, keepalive_s: float | None) -> WholeAnswer | str | None:
-        """:meth:`start`, for a stream whose door may say it is alive before it begins: its first item
-        if that comes within ``keepalive_s``; else None, and the answer goes on beginning while
-        :meth:`chunks` yields :data:`~serve_app.front_door.core.stream_watch.KEEPALIVE` every
-        ``keepalive_s`` until it has (then its chunks, or one error event if it never began)."""
-        if keepalive_s is None or not self.payload.stream:
-            return await self.start()
-        starting = asyncio.ensure_future(self.start())
-        try:
-            await asyncio.wait((starting,), timeout=keepalive_s)
-        except BaseException:  # the client left
-            starting.cancel()
-            raise
-        if starting.done():
-            return starting.result()
-        self._starting, self._keepalive_s = starting, keepalive_s
-        return None
-
-    async def _keepalives_then_first(self) -> AsyncGenerator[str | bytes, None]:
-        """Keep-alives until the answer that :meth:`begin` left beginning has begun; one error event
-        if it never did (its status can no longer be the response's)."""
-        starting = self._starting
-        assert starting is not None
-        try:
-            while not starting.done():
-                self.record.keepalives += 1
-                yield KEEPALIVE
-                await asyncio.wait((starting,), timeout=self._keepalive_s)
-        finally:
-            if not starting.done():  # the client left: start() ends the answer as it is cancelled
-                starting.cancel()
-        try:
-            first = starting.result()
-        except APIError as error:
-            yield self._fail(error)
-            return
-        except TaskCancelledError:  # the client left; nobody reads an error event
-            return
-        except Exception as exc:
-            yield self._fail(call_failure(exc))
-            return
-        if isinstance(first, WholeAnswer):  # (a stream's whole answer is an error found before any token)
-            yield self._fail(error_of(first))
-
     async def chunks(self) -> AsyncGenerator[str | bytes, None]:
-        """The stream's chunks from its first (after keep-alives, if :meth:`begin` returned None); a
-        failure after the start becomes a final error event (nothing follows it). Ends the generation
-        when it ends, however it ends."""
-        if self._starting is not None:
-            async for frame in self._keepalives_then_first():
-                yield frame
-            if not isinstance(self._first, str):
-                return
+        """The stream's chunks from its first; a failure after the start becomes a final error event
+        (nothing follows it). Ends the generation when it ends, however it ends."""
         first, rest = self._first, self._rest
         assert isinstance(first, str) and rest is not None, "chunks() reads a stream that started"
         record, watch = self.record, self.watch
@@ -201,18 +149,18 @@ class Generation:
                     charge_at = now + CHARGE_EVERY_S
         except DeadlineExceeded:
             if not failed:
-                yield self._fail(self.deadline.expired())
+                yield self.fail(self.deadline.expired())
         except StreamStalled:
             if not failed:
                 assert watch.timeout_s is not None
-                yield self._fail(stalled_error(watch.timeout_s))
+                yield self.fail(stalled_error(watch.timeout_s))
         except TaskCancelledError:  # the client left; nobody reads an error event
             pass
         except Exception as exc:
             # After the engine's own error event (its engine died, and the replica is leaving), the
             # call's failure is the same event's consequence: one error per stream.
             if not failed:
-                yield self._fail(call_failure(exc))
+                yield self.fail(call_failure(exc))
         finally:
             watch.forget(watched)
             items.close()
@@ -230,7 +178,8 @@ class Generation:
         self.error = error
         return True
 
-    def _fail(self, error: APIError) -> bytes:
+    def fail(self, error: APIError) -> bytes:
+        """The answer failed with ``error`` after its response began: its error event, recorded."""
         self.record.failed(error.status, error.code)
         self.error = error
         return self.error_event(error.status, error.message, error.code, self._events)

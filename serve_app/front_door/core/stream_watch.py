@@ -3,7 +3,8 @@
 - **Keep-alive**: a stream whose first chunk has not come within ``ingress.sse_keepalive_s``
   (queued behind others, or in a long prefill) gets its response's headers and an SSE comment,
   :data:`KEEPALIVE`, every ``sse_keepalive_s`` until it begins, so that a proxy or a client that
-  cuts a connection idle for a minute keeps it (:meth:`~serve_app.front_door.core.generation.Generation.begin`).
+  cuts a connection idle for a minute keeps it (the HTTP door's
+  :class:`~serve_app.front_door.http_api.beginning.BeginningStream`).
 - **Stall watchdog** (:class:`StallWatch`, one per model replica): a stream that has begun and
   then waits ``ingress.stream_stall_timeout_s`` for its next chunk while the replica's other
   streams get theirs is ended with an error event (504 ``stream_stalled``) and its engine request

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app.errors import UNAVAILABLE, APIError, error_body
@@ -39,11 +39,10 @@ from serve_app.front_door.core.generation import Generation
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.readiness import Readiness
 from serve_app.front_door.http_api import responses as stored_routes
+from serve_app.front_door.http_api.beginning import BeginningStream, sse_response
 from serve_app.front_door.http_api.middleware import PERMIT_SCOPE_KEY, Arrivals, ObserveRequests
 from serve_app.front_door.telemetry.record import RequestRecord
 from serve_app.protocol import WholeAnswer
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,7 +76,7 @@ async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> by
     return b"".join(chunks)
 
 
-async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
+async def handle_generation(request: Request, endpoint: Endpoint) -> Response | BeginningStream:
     core: FrontDoor = request.app.state.core
     record: RequestRecord = request.state.record  # opened by ObserveRequests
     permit: Permit = getattr(request.state, PERMIT_SCOPE_KEY)  # taken by Arrivals
@@ -92,21 +91,24 @@ async def handle_generation(request: Request, endpoint: Endpoint) -> Response:
     generation = core.generate(
         permit, admitted, endpoint.method, deadline, record, stored_routes.error_event_of(endpoint)
     )
-    return answer(await generation.begin(core.settings.sse_keepalive_s), generation)
+    if admitted.payload.stream:  # (its first item is awaited as the response is written: keep-alives)
+        return BeginningStream(
+            generation, core.settings.sse_keepalive_s, lambda first: answer(first, generation), generation.chunks
+        )
+    return answer(await generation.start(), generation)
 
 
-def answer(first: WholeAnswer | str | None, generation: Generation) -> Response:
-    """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE
-    (``first`` None: a stream that has not begun yet, kept alive until it has)."""
+def answer(first: WholeAnswer | str, generation: Generation) -> Response:
+    """The HTTP response of an answer that began with ``first``: a whole answer as it is, a stream as SSE."""
     if isinstance(first, WholeAnswer):
         # A replica that cannot serve right now (its engine died) says so with 503: retry.
         headers = {"Retry-After": "1"} if first.status == 503 else None
         return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
-    return StreamingResponse(generation.chunks(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(generation.chunks())
 
 
 def generation_route(endpoint: Endpoint) -> Route:
-    async def route(request: Request) -> Response:
+    async def route(request: Request) -> Response | BeginningStream:
         return await handle_generation(request, endpoint)
 
     return Route(endpoint.path, route, methods=["POST"], name=endpoint.method)

@@ -55,12 +55,11 @@ from serve_app.front_door.core.front_door import FrontDoor
 from serve_app.front_door.core.generation import ErrorEvent, Generation, chat_error_event
 from serve_app.front_door.core.permit import Permit
 from serve_app.front_door.core.stored import StoredResponses
+from serve_app.front_door.http_api.beginning import SSE_HEADERS, BeginningStream, sse_response
 from serve_app.front_door.telemetry.record import RequestRecord
 from serve_app.protocol import WholeAnswer, streamed
 
 logger = logging.getLogger("ray.serve")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def owner_of(request: Request) -> str:
@@ -85,7 +84,7 @@ async def create(
     admitted: Admitted,
     deadline: Deadline,
     record: RequestRecord,
-) -> Response:
+) -> Response | BeginningStream:
     """Answer an admitted ``POST /v1/responses`` that is stored (the module's docstring)."""
     owner = record.key_id if record.key_id is not None else NO_OWNER
     if admitted.background:
@@ -100,14 +99,22 @@ async def create(
             logger.warning("response %s answered and not stored: %s", admitted.payload.request_id, down.message)
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
-    first = await generation.begin(core.settings.sse_keepalive_s)
-    if not isinstance(first, WholeAnswer):  # a stream, begun or kept alive until it has
-        frames = stored_at_end(generation, save)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
-    if first.status == 200:
+
+    def frames() -> AsyncIterator[str | bytes]:
+        return stored_at_end(generation, save)
+
+    def respond(first: WholeAnswer | str) -> Response:
+        if isinstance(first, str):
+            return sse_response(frames())
+        headers = {"Retry-After": "1"} if first.status == 503 else None
+        return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
+
+    if admitted.payload.stream:  # (its first item is awaited as the response is written: keep-alives)
+        return BeginningStream(generation, core.settings.sse_keepalive_s, respond, frames)
+    first = await generation.start()
+    if isinstance(first, WholeAnswer) and first.status == 200:
         await save(json.loads(first.body))
-    headers = {"Retry-After": "1"} if first.status == 503 else None
-    return Response(first.body, status_code=first.status, headers=headers, media_type="application/json")
+    return respond(first)
 
 
 async def create_background(
