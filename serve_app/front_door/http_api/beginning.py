@@ -16,7 +16,7 @@ Runs in each model replica.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from ray.exceptions import TaskCancelledError
 from starlette.responses import Response, StreamingResponse
@@ -61,9 +61,11 @@ class Keepalives:
         """Stop sending; whether the response's headers went out (then the rest is this stream's body)."""
         self._timer.cancel()
         task = self._task
-        if task is not None and not task.done():
+        if task is not None:
             task.cancel()
             await asyncio.wait((task,))  # (it is not awaited: its cancellation is not raised here)
+            if not task.cancelled():
+                task.exception()  # (retrieved: a send to a client that left; Serve ends the request)
         return self._headers_sent
 
 
@@ -81,7 +83,7 @@ class BeginningStream:
         generation: Generation,
         keepalive_s: float | None,
         respond: Callable[[WholeAnswer | str], Response],
-        frames: Callable[[], AsyncIterator[str | bytes]],
+        frames: Callable[[], AsyncGenerator[str | bytes, None]],
     ) -> None:
         self.generation, self.keepalive_s = generation, keepalive_s
         self.respond, self.frames = respond, frames
@@ -108,9 +110,13 @@ class BeginningStream:
         if isinstance(first, WholeAnswer):  # (a stream's whole answer is an error found before any token)
             await _last(send, generation.fail(error_of(first)))
             return
-        async for frame in self.frames():
-            body = frame.encode() if isinstance(frame, str) else frame
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+        frames = self.frames()
+        try:
+            async for frame in frames:
+                body = frame.encode() if isinstance(frame, str) else frame
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            await frames.aclose()  # (its generation ends with it, however the stream ends)
         await _last(send, b"")
 
     async def _stop(self, keepalives: Keepalives) -> bool:

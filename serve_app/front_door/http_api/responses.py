@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -100,7 +100,7 @@ async def create(
 
     generation = core.generate(permit, admitted, "responses", deadline, record, responses_event)
 
-    def frames() -> AsyncIterator[str | bytes]:
+    def frames() -> AsyncGenerator[str | bytes, None]:
         return stored_at_end(generation, save)
 
     def respond(first: WholeAnswer | str) -> Response:
@@ -175,7 +175,7 @@ def input_items(admitted: Admitted) -> list[Any]:
     return request_input_items(admitted.stored.request)
 
 
-async def stored_at_end(generation: Generation, save: Any) -> AsyncIterator[str | bytes]:
+async def stored_at_end(generation: Generation, save: Any) -> AsyncGenerator[str | bytes, None]:
     """A stored answer's stream, written through; its final object, which its last frame ends with,
     kept once it has been sent (nothing is read of the frames before: the stream costs what chat's does)."""
     last: str | bytes = ""
