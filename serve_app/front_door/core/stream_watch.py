@@ -13,7 +13,8 @@
   watch answers that) no stream is ended.
 
 The watch costs a stream two attribute writes per chunk: a task of the watch counts ticks
-(``check_s``), and a stream notes the tick at which it began to wait and the tick of its last chunk.
+(``check_s``); a stream notes the tick at which it began to wait, and the replica the tick of its
+last chunk, any stream's.
 
 Runs in each model replica.
 """
@@ -59,10 +60,9 @@ class StallWatch:
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self.check_s = min(CHECK_EVERY_S, timeout_s / 4) if timeout_s is not None else CHECK_EVERY_S
-        self._stall_ticks = 4 if timeout_s is None else max(1, round(timeout_s / self.check_s))
+        self._stall_ticks = round(timeout_s / self.check_s) if timeout_s is not None else 0
         self.tick = 0
         self.moved_at = -1  # the tick of the replica's last chunk, any stream's
-        self.stalled = 0  # streams ended by the watch
         self._streams: set[Watched] = set()
         self._task: asyncio.Task | None = None
 
@@ -100,7 +100,6 @@ class StallWatch:
         ]
         for watched in stalled:
             self._streams.discard(watched)
-            self.stalled += 1
             watched.stop()
         return stalled
 

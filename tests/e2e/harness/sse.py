@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+from serve_app.front_door.core.stream_watch import KEEPALIVE
+
 
 @dataclass
 class Stream:
@@ -30,7 +32,7 @@ def parse_events(text: str) -> list[str]:
     assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-80:]!r}"
     payloads = []
     for block in text[:-2].split("\n\n"):
-        if block == ": keep-alive":
+        if block + "\n\n" == KEEPALIVE:
             continue
         assert block.startswith("data: "), f"not a data event: {block[:80]!r}"
         assert "\n" not in block, f"multi-line event: {block[:80]!r}"
